@@ -1,0 +1,534 @@
+"""Model configuration: one frozen dataclass built from an HF `config.json`.
+
+K3 publishes a nested `kimi_k3` config (`text_config`, `vision_config`); Kimi-Linear style
+checkpoints publish a bare `kimi_linear` text config. Both normalise to `ModelConfig` here, and
+the 1-indexed `kda_layers` / `full_attn_layers` lists are converted to 0-indexed `layer_types`
+in exactly one place (`_layer_types_from_hf`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+LayerType = Literal["kda", "mla"]
+ExpertFormat = Literal["mxfp4", "bf16"]
+
+MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (KimiRMSNorm default), research §4.2
+L2_NORM_EPS = 1e-6  # KDA q/k L2 norm, eps inside the sqrt
+MXFP4_GROUP = 32
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """MoonViT-V2 tower + PatchMergerMLPV2 projector (research §7.1)."""
+
+    patch_size: int = 14
+    hidden_size: int = 1024
+    num_layers: int = 27
+    num_heads: int = 12
+    qkv_hidden_size: int = 1536
+    intermediate_size: int = 4096
+    pos_emb_height: int = 64
+    pos_emb_width: int = 64
+    pos_emb_time: int = 4
+    merge_kernel: tuple[int, int] = (2, 2)
+    projector_hidden_size: int = 4096
+    text_hidden_size: int = 7168
+    projector_ln_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The K3 text model. Field names follow the HF config where one exists."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    layer_types: tuple[LayerType, ...]
+    # dense FFN (layers < first_k_dense_replace)
+    intermediate_size: int
+    first_k_dense_replace: int = 1
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 1_048_576
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    attn_res_block_size: int = 12
+    # KDA
+    kda_num_heads: int = 96
+    kda_head_dim: int = 128
+    kda_a_log_size: int = 128  # A_log is one value per head, zero-padded to this length
+    short_conv_kernel_size: int = 4
+    gate_lower_bound: float = -5.0
+    # gated MLA (NoPE)
+    mla_num_heads: int = 96
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_output_gate: bool = True
+    # Stable LatentMoE
+    num_experts: int = 896
+    num_experts_per_token: int = 16
+    num_shared_experts: int = 2
+    moe_intermediate_size: int = 3072
+    routed_expert_hidden_size: int = 3584
+    latent_moe_use_norm: bool = True
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    expert_format: ExpertFormat = "mxfp4"
+    # special tokens
+    bos_token_id: int = 163584
+    eos_token_id: int = 163586
+    pad_token_id: int = 163839
+    media_placeholder_token_id: int = 163605
+    vision: VisionConfig | None = None
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # derived dimensions -------------------------------------------------------------------
+    @property
+    def kda_dim(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mla_latent_dim(self) -> int:
+        """Values cached per token per MLA layer: normalised c_kv plus the shared k_r."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.num_shared_experts * self.moe_intermediate_size
+
+    @property
+    def kda_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "kda")
+
+    @property
+    def mla_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "mla")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense_replace
+
+    def is_block_boundary(self, layer_idx: int) -> bool:
+        """AttnRes closes a block (pushes the partial sum to the bank) before this layer."""
+        return layer_idx % self.attn_res_block_size == 0
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # HF config.json -----------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], name: str = "custom") -> "ModelConfig":
+        """Build from a parsed `config.json` (`kimi_k3` nested form or bare `kimi_linear`)."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"config must be a JSON object, got {type(hf).__name__}")
+        model_type = hf.get("model_type")
+        if model_type == "kimi_k3" or "text_config" in hf:
+            text = hf.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError("kimi_k3 config needs a `text_config` object")
+            vision_hf = hf.get("vision_config")
+            quant = hf.get("quantization_config", text.get("quantization_config"))
+        elif model_type in ("kimi_linear", None):
+            text, vision_hf, quant = hf, None, hf.get("quantization_config")
+        else:
+            raise ValueError(f"model_type must be 'kimi_k3' or 'kimi_linear', got {model_type!r}")
+        return _text_from_hf(text, vision_hf, quant, name)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_hf(data, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The nested `kimi_k3` config.json form (inverse of `from_hf`)."""
+        kda_layers = [i + 1 for i, t in enumerate(self.layer_types) if t == "kda"]
+        full_layers = [i + 1 for i, t in enumerate(self.layer_types) if t == "mla"]
+        text = {
+            "model_type": "kimi_linear",
+            "architectures": ["KimiLinearForCausalLM"],
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "situ",
+            "activation_situ_beta": self.situ_beta,
+            "activation_situ_linear_beta": self.situ_linear_beta,
+            "intermediate_size": self.intermediate_size,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "moe_layer_freq": 1,
+            "attn_res_block_size": self.attn_res_block_size,
+            "num_attention_heads": self.mla_num_heads,
+            "num_key_value_heads": self.mla_num_heads,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "mla_use_nope": True,
+            "mla_use_output_gate": self.mla_use_output_gate,
+            "num_experts": self.num_experts,
+            "num_experts_per_token": self.num_experts_per_token,
+            "num_shared_experts": self.num_shared_experts,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "routed_expert_hidden_size": self.routed_expert_hidden_size,
+            "latent_moe_use_norm": self.latent_moe_use_norm,
+            "moe_router_activation_func": "sigmoid",
+            "moe_renormalize": self.moe_renormalize,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "use_grouped_topk": True,
+            "num_expert_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "num_nextn_predict_layers": 0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "linear_attn_config": {
+                "num_heads": self.kda_num_heads,
+                "head_dim": self.kda_head_dim,
+                "a_log_size": self.kda_a_log_size,
+                "short_conv_kernel_size": self.short_conv_kernel_size,
+                "gate_lower_bound": self.gate_lower_bound,
+                "use_full_rank_gate": True,
+                "kda_layers": kda_layers,
+                "full_attn_layers": full_layers,
+            },
+        }
+        out: dict[str, Any] = {
+            "model_type": "kimi_k3",
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "media_placeholder_token_id": self.media_placeholder_token_id,
+            "text_config": text,
+        }
+        if self.expert_format == "mxfp4":
+            out["quantization_config"] = _mxfp4_quantization_config()
+        if self.vision is not None:
+            out["vision_config"] = _vision_to_hf(self.vision)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+def _layer_types_from_hf(num_layers: int, lin: dict[str, Any]) -> tuple[LayerType, ...]:
+    """The one place the published 1-indexed layer lists become 0-indexed layer types."""
+    kda = lin.get("kda_layers")
+    full = lin.get("full_attn_layers")
+    if kda is None and full is None:
+        raise ValueError("linear_attn_config needs `kda_layers` or `full_attn_layers`")
+    kda_set = set(kda) if kda is not None else set(range(1, num_layers + 1)) - set(full)
+    full_set = set(full) if full is not None else set(range(1, num_layers + 1)) - kda_set
+    for fname, s in (("kda_layers", kda_set), ("full_attn_layers", full_set)):
+        bad = sorted(i for i in s if not isinstance(i, int) or not 1 <= i <= num_layers)
+        if bad:
+            raise ValueError(
+                f"linear_attn_config.{fname} contains out-of-range layers {bad}; "
+                f"expected 1-indexed values in [1, {num_layers}]"
+            )
+    both = sorted(kda_set & full_set)
+    if both:
+        raise ValueError(f"layers {both} are listed in both kda_layers and full_attn_layers")
+    missing = sorted(set(range(1, num_layers + 1)) - kda_set - full_set)
+    if missing:
+        raise ValueError(f"layers {missing} are in neither kda_layers nor full_attn_layers")
+    return tuple("kda" if (i + 1) in kda_set else "mla" for i in range(num_layers))
+
+
+def _req(d: dict[str, Any], key: str, where: str = "text_config") -> Any:
+    if key not in d:
+        raise ValueError(f"{where}.{key} is required")
+    return d[key]
+
+
+def _text_from_hf(
+    t: dict[str, Any], v: dict[str, Any] | None, quant: dict[str, Any] | None, name: str
+) -> ModelConfig:
+    lin = _req(t, "linear_attn_config")
+    if not isinstance(lin, dict):
+        raise ValueError("text_config.linear_attn_config must be an object")
+    num_layers = _req(t, "num_hidden_layers")
+    if not isinstance(num_layers, int) or num_layers <= 0:
+        raise ValueError(f"text_config.num_hidden_layers must be a positive int, got {num_layers!r}")
+    if t.get("tie_word_embeddings", False):
+        raise ValueError("text_config.tie_word_embeddings=True is not K3 (its head is untied)")
+    if t.get("mla_use_nope") is False:
+        raise ValueError("text_config.mla_use_nope=False (rotary MLA) is not supported; K3 is NoPE")
+    if t.get("q_lora_rank") is None:
+        raise ValueError("text_config.q_lora_rank=None (plain q_proj MLA) is not supported; K3 uses q-LoRA")
+    if lin.get("use_full_rank_gate") is False:
+        raise ValueError("linear_attn_config.use_full_rank_gate=False is not supported; K3 uses a full-rank gate")
+    if lin.get("gate_lower_bound") is None:
+        raise ValueError("linear_attn_config.gate_lower_bound is required (K3's safe gate, -5.0)")
+    if t.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise ValueError(
+            f"text_config.moe_router_activation_func must be 'sigmoid', got {t['moe_router_activation_func']!r}"
+        )
+    if t.get("num_expert_group", 1) != 1 or t.get("topk_group", 1) != 1:
+        raise ValueError("text_config.num_expert_group/topk_group must be 1 (K3 has no group limit)")
+    if t.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"text_config.moe_layer_freq must be 1, got {t['moe_layer_freq']!r}")
+    heads = _req(lin, "num_heads", "linear_attn_config")
+    head_dim = _req(lin, "head_dim", "linear_attn_config")
+    expert_format: ExpertFormat = "mxfp4" if _is_mxfp4(quant) else "bf16"
+    kwargs: dict[str, Any] = dict(
+        hidden_size=_req(t, "hidden_size"),
+        num_layers=num_layers,
+        vocab_size=_req(t, "vocab_size"),
+        layer_types=_layer_types_from_hf(num_layers, lin),
+        intermediate_size=_req(t, "intermediate_size"),
+        first_k_dense_replace=t.get("first_k_dense_replace", 1),
+        rms_norm_eps=t.get("rms_norm_eps", 1e-5),
+        max_position_embeddings=t.get("max_position_embeddings", 1_048_576),
+        situ_beta=t.get("activation_situ_beta", 4.0),
+        situ_linear_beta=t.get("activation_situ_linear_beta", 25.0),
+        attn_res_block_size=_req(t, "attn_res_block_size"),
+        kda_num_heads=heads,
+        kda_head_dim=head_dim,
+        kda_a_log_size=lin.get("a_log_size", max(heads, head_dim)),
+        short_conv_kernel_size=lin.get("short_conv_kernel_size", 4),
+        gate_lower_bound=float(lin["gate_lower_bound"]),
+        mla_num_heads=_req(t, "num_attention_heads"),
+        q_lora_rank=t["q_lora_rank"],
+        kv_lora_rank=_req(t, "kv_lora_rank"),
+        qk_nope_head_dim=_req(t, "qk_nope_head_dim"),
+        qk_rope_head_dim=_req(t, "qk_rope_head_dim"),
+        v_head_dim=_req(t, "v_head_dim"),
+        mla_use_output_gate=t.get("mla_use_output_gate", True),
+        num_experts=_req(t, "num_experts"),
+        num_experts_per_token=_req(t, "num_experts_per_token"),
+        num_shared_experts=t.get("num_shared_experts", 1),
+        moe_intermediate_size=_req(t, "moe_intermediate_size"),
+        routed_expert_hidden_size=_req(t, "routed_expert_hidden_size"),
+        latent_moe_use_norm=t.get("latent_moe_use_norm", True),
+        moe_renormalize=t.get("moe_renormalize", True),
+        routed_scaling_factor=float(t.get("routed_scaling_factor", 1.0)),
+        expert_format=expert_format,
+        bos_token_id=t.get("bos_token_id", 163584),
+        eos_token_id=t.get("eos_token_id", 163586),
+        pad_token_id=t.get("pad_token_id", 163839),
+        vision=_vision_from_hf(v) if v else None,
+        name=name,
+    )
+    return ModelConfig(**kwargs)
+
+
+def _is_mxfp4(quant: dict[str, Any] | None) -> bool:
+    if not quant:
+        return False
+    fmt = quant.get("format")
+    if fmt != "mxfp4-pack-quantized":
+        raise ValueError(
+            f"quantization_config.format {fmt!r} is not supported; expected 'mxfp4-pack-quantized' or none"
+        )
+    return True
+
+
+def _mxfp4_quantization_config() -> dict[str, Any]:
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "float",
+                    "group_size": MXFP4_GROUP,
+                    "strategy": "group",
+                    "symmetric": True,
+                    "scale_dtype": "torch.uint8",
+                },
+                "input_activations": None,
+            }
+        },
+        "ignore": [
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+            "re:.*lm_head.*",
+            "re:.*vision_tower.*",
+            "re:.*mm_projector.*",
+        ],
+    }
+
+
+def _vision_from_hf(v: dict[str, Any]) -> VisionConfig:
+    mk = v.get("merge_kernel_size", [2, 2])
+    return VisionConfig(
+        patch_size=v.get("patch_size", 14),
+        hidden_size=v.get("vt_hidden_size", 1024),
+        num_layers=v.get("vt_num_hidden_layers", 27),
+        num_heads=v.get("vt_num_attention_heads", 12),
+        qkv_hidden_size=v.get("qkv_hidden_size", 1536),
+        intermediate_size=v.get("vt_intermediate_size", 4096),
+        pos_emb_height=v.get("init_pos_emb_height", 64),
+        pos_emb_width=v.get("init_pos_emb_width", 64),
+        pos_emb_time=v.get("init_pos_emb_time", 4),
+        merge_kernel=(int(mk[0]), int(mk[1])),
+        projector_hidden_size=v.get("mm_hidden_size", 1024) * int(mk[0]) * int(mk[1]),
+        text_hidden_size=v.get("text_hidden_size", 7168),
+        projector_ln_eps=v.get("projector_ln_eps", 1e-5),
+    )
+
+
+def _vision_to_hf(v: VisionConfig) -> dict[str, Any]:
+    return {
+        "patch_size": v.patch_size,
+        "vt_hidden_size": v.hidden_size,
+        "vt_num_hidden_layers": v.num_layers,
+        "vt_num_attention_heads": v.num_heads,
+        "qkv_hidden_size": v.qkv_hidden_size,
+        "vt_intermediate_size": v.intermediate_size,
+        "activation_func": "gelu_pytorch_tanh",
+        "norm_type": "rmsnorm",
+        "attn_bias": False,
+        "linear_bias": False,
+        "patch_embed_proj_bias": False,
+        "pos_emb_type": "divided_fixed",
+        "init_pos_emb_height": v.pos_emb_height,
+        "init_pos_emb_width": v.pos_emb_width,
+        "init_pos_emb_time": v.pos_emb_time,
+        "pos_emb_interpolation_mode": "bilinear",
+        "merge_type": "sd2_tpool",
+        "merge_kernel_size": list(v.merge_kernel),
+        "mm_projector_type": "patchmergerv2",
+        "mm_hidden_size": v.hidden_size,
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": v.projector_ln_eps,
+        "text_hidden_size": v.text_hidden_size,
+    }
+
+
+def _validate(c: ModelConfig) -> None:
+    def positive(fname: str) -> None:
+        val = getattr(c, fname)
+        if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+            raise ValueError(f"{fname} must be a positive int, got {val!r}")
+
+    for f in (
+        "hidden_size", "num_layers", "vocab_size", "intermediate_size", "attn_res_block_size",
+        "kda_num_heads", "kda_head_dim", "kda_a_log_size", "short_conv_kernel_size", "mla_num_heads",
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts",
+        "num_experts_per_token", "moe_intermediate_size", "routed_expert_hidden_size",
+        "max_position_embeddings",
+    ):
+        positive(f)
+    if not isinstance(c.qk_rope_head_dim, int) or c.qk_rope_head_dim < 0:
+        raise ValueError(f"qk_rope_head_dim must be a non-negative int, got {c.qk_rope_head_dim!r}")
+    if len(c.layer_types) != c.num_layers:
+        raise ValueError(f"layer_types has {len(c.layer_types)} entries, expected num_layers={c.num_layers}")
+    bad = [t for t in c.layer_types if t not in ("kda", "mla")]
+    if bad:
+        raise ValueError(f"layer_types must be 'kda' or 'mla', got {bad[:3]}")
+    if not 0 <= c.first_k_dense_replace <= c.num_layers:
+        raise ValueError(f"first_k_dense_replace must be in [0, {c.num_layers}], got {c.first_k_dense_replace}")
+    if c.num_experts_per_token > c.num_experts:
+        raise ValueError(
+            f"num_experts_per_token={c.num_experts_per_token} exceeds num_experts={c.num_experts}"
+        )
+    if c.num_shared_experts < 0:
+        raise ValueError(f"num_shared_experts must be >= 0, got {c.num_shared_experts}")
+    if c.kda_a_log_size < c.kda_num_heads:
+        raise ValueError(
+            f"kda_a_log_size={c.kda_a_log_size} must be >= kda_num_heads={c.kda_num_heads} (one A_log per head)"
+        )
+    if not c.gate_lower_bound < 0:
+        raise ValueError(f"gate_lower_bound must be negative, got {c.gate_lower_bound}")
+    if not 0 < c.rms_norm_eps < 1:
+        raise ValueError(f"rms_norm_eps must be in (0, 1), got {c.rms_norm_eps}")
+    if c.expert_format not in ("mxfp4", "bf16"):
+        raise ValueError(f"expert_format must be 'mxfp4' or 'bf16', got {c.expert_format!r}")
+    if c.expert_format == "mxfp4":
+        for fname in ("routed_expert_hidden_size", "moe_intermediate_size"):
+            if getattr(c, fname) % MXFP4_GROUP:
+                raise ValueError(
+                    f"{fname}={getattr(c, fname)} must be a multiple of {MXFP4_GROUP} for MXFP4 experts"
+                )
+    for fname in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        tid = getattr(c, fname)
+        if not 0 <= tid < c.vocab_size:
+            raise ValueError(f"{fname}={tid} is outside the vocabulary [0, {c.vocab_size})")
+
+
+# presets ------------------------------------------------------------------------------------
+def _k3_layer_types(num_layers: int, period: int = 4) -> tuple[LayerType, ...]:
+    """Groups of (period-1) KDA + 1 MLA, then a final MLA layer."""
+    body = ["mla" if (i + 1) % period == 0 else "kda" for i in range(num_layers - 1)]
+    return tuple(body + ["mla"])  # type: ignore[return-value]
+
+
+def k3_config() -> ModelConfig:
+    """The published Kimi K3 numbers (research §1.1)."""
+    return ModelConfig(
+        name="k3",
+        hidden_size=7168,
+        num_layers=93,
+        vocab_size=163840,
+        layer_types=_k3_layer_types(93),
+        intermediate_size=33792,
+        vision=VisionConfig(),
+    )
+
+
+def k3_tiny_config() -> ModelConfig:
+    """K3's structure at small widths: 2 x [KDA, KDA, KDA, MLA] + a final MLA, dense first FFN,
+    AttnRes blocks of 3 layers, an 8-expert top-2 latent MoE with shared expert, MXFP4 experts."""
+    return ModelConfig(
+        name="k3-tiny",
+        hidden_size=64,
+        num_layers=9,
+        vocab_size=512,
+        layer_types=_k3_layer_types(9),
+        intermediate_size=128,
+        attn_res_block_size=3,
+        kda_num_heads=2,
+        kda_head_dim=32,
+        kda_a_log_size=32,
+        mla_num_heads=2,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=2,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=32,
+        max_position_embeddings=1_048_576,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=511,
+        media_placeholder_token_id=266,
+        vision=None,
+    )
+
+
+PRESETS = {"k3": k3_config, "k3-tiny": k3_tiny_config}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()

@@ -1,0 +1,107 @@
+"""Kimi Delta Attention layer (69 of K3's 93 layers): short conv, safe gate, delta rule."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3ray.config import L2_NORM_EPS
+from k3ray.kernels.conv import causal_conv1d, causal_conv1d_update
+from k3ray.kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate, l2norm
+from k3ray.models.forward_batch import ForwardBatch
+from k3ray.models.norm import gated_rms_norm
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        a_log_size: int,
+        conv_size: int,
+        gate_lower_bound: float,
+        norm_eps: float,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.gate_lower_bound = gate_lower_bound
+        self.norm_eps = norm_eps
+        D = num_heads * head_dim
+        lin = lambda i, o: nn.Linear(i, o, bias=False, dtype=dtype)  # noqa: E731
+        self.q_proj, self.k_proj, self.v_proj = lin(hidden_size, D), lin(hidden_size, D), lin(hidden_size, D)
+        self.q_conv1d = nn.Conv1d(D, D, conv_size, groups=D, bias=False, dtype=torch.float32)
+        self.k_conv1d = nn.Conv1d(D, D, conv_size, groups=D, bias=False, dtype=torch.float32)
+        self.v_conv1d = nn.Conv1d(D, D, conv_size, groups=D, bias=False, dtype=torch.float32)
+        self.f_a_proj = lin(hidden_size, head_dim)
+        self.f_b_proj = lin(head_dim, D)
+        self.dt_bias = nn.Parameter(torch.zeros(D, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(a_log_size, dtype=torch.float32))
+        self.b_proj = lin(hidden_size, num_heads)
+        self.g_proj = lin(hidden_size, D)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(head_dim, dtype=torch.float32))
+        self.o_proj = lin(D, hidden_size)
+
+    def conv_weight(self) -> torch.Tensor:
+        """[3 * D, W]: the q | k | v depthwise filters as one conv over concatenated channels."""
+        return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], 0)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        H, K = self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [T, 3 * H * K]
+        conv_pool = batch.cache.conv_state[self.layer_idx]
+        state_pool = batch.cache.kda_state[self.layer_idx]
+        slots = batch.state_slots.long()
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, K), self.A_log, self.dt_bias, self.gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        if batch.is_decode and batch.spec_state_slots is None:
+            qkv = causal_conv1d_update(qkv, self.conv_weight(), conv_pool, slots)
+            q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, -1))
+            q, k = l2norm(q, L2_NORM_EPS), l2norm(k, L2_NORM_EPS)
+            o = fused_recurrent_kda(q, k, v, g, beta, K**-0.5, state_pool, slots)
+        else:
+            o = self._prefill(qkv, g, beta, batch, conv_pool, state_pool, slots)
+        o = gated_rms_norm(o, self.o_norm.weight, self.g_proj(x).view(T, H, K), self.norm_eps)
+        return self.o_proj(o.reshape(T, H * K).to(x.dtype))
+
+    def _prefill(self, qkv, g, beta, batch, conv_pool, state_pool, slots) -> torch.Tensor:
+        T = qkv.shape[0]
+        H, K = self.num_heads, self.head_dim
+        has_prior = (batch.prior_lens > 0)[:, None, None]
+        conv0 = torch.where(has_prior, conv_pool[slots], torch.zeros((), dtype=conv_pool.dtype))
+        state0 = torch.where(has_prior[..., None], state_pool[slots], torch.zeros(()))
+        if batch.spec_state_slots is not None:
+            return self._prefill_per_token_states(qkv, g, beta, batch, conv0, state0, conv_pool, state_pool)
+        qkv, conv_final = causal_conv1d(qkv, self.conv_weight(), batch.cu_seqlens, conv0)
+        q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, -1))
+        q, k = l2norm(q, L2_NORM_EPS), l2norm(k, L2_NORM_EPS)
+        o, final = chunk_kda(q, k, v, g, beta, K**-0.5, state0, batch.cu_seqlens)
+        conv_pool[slots] = conv_final.to(conv_pool.dtype)
+        state_pool[slots] = final
+        return o
+
+    def _prefill_per_token_states(self, qkv, g, beta, batch, conv0, state0, conv_pool, state_pool) -> torch.Tensor:
+        """Speculative verification: the state after new token j of sequence i goes to
+        spec_state_slots[i, j], so keeping the first a accepted tokens is choosing slot a - 1."""
+        H, K = self.num_heads, self.head_dim
+        o = qkv.new_empty(qkv.shape[0], H, K)
+        weight = self.conv_weight()
+        for i in range(batch.num_seqs):
+            s, e = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+            conv_i, state_i = conv0[i : i + 1], state0[i : i + 1]
+            one = torch.tensor([0, 1])
+            for t in range(s, e):
+                y, conv_i = causal_conv1d(qkv[t : t + 1], weight, one, conv_i)
+                q, k, v = (u.reshape(1, H, K) for u in y.split(H * K, -1))
+                q, k = l2norm(q, L2_NORM_EPS), l2norm(k, L2_NORM_EPS)
+                o_t, state_i = chunk_kda(q, k, v, g[t : t + 1], beta[t : t + 1], K**-0.5, state_i, one)
+                o[t] = o_t[0]
+                slot = batch.spec_state_slots[i, t - s].long()
+                conv_pool[slot] = conv_i[0].to(conv_pool.dtype)
+                state_pool[slot] = state_i[0]
+        return o

@@ -1,0 +1,115 @@
+"""Gated NoPE MLA layer (24 of K3's 93 layers): q-LoRA, a 576-wide latent cache per token
+(normalised c_kv 512 + unrotated shared k_r 64), and a sigmoid output gate on the layer input.
+
+Two attention forms over the same cache: `naive` (expand K/V with kv_b_proj, used for prefill)
+and `absorbed` (fold W_UK into q and W_UV after attention, MQA over the latent; decode)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3ray.config import MLA_NORM_EPS
+from k3ray.kernels.mla import mla_decode, mla_prefill
+from k3ray.kernels.mla.naive import absorbed_mla_attention, gather_latent, naive_mla_attention
+from k3ray.models.forward_batch import ForwardBatch
+from k3ray.models.norm import RMSNorm
+
+
+class GatedMLA(nn.Module):
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        use_output_gate: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.kv_lora_rank, self.nope, self.rope, self.v_dim = kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        lin = lambda i, o: nn.Linear(i, o, bias=False, dtype=dtype)  # noqa: E731
+        self.q_a_proj = lin(hidden_size, q_lora_rank)
+        self.q_a_layernorm = RMSNorm(q_lora_rank, MLA_NORM_EPS, dtype)
+        self.q_b_proj = lin(q_lora_rank, num_heads * (qk_nope_head_dim + qk_rope_head_dim))
+        self.kv_a_proj_with_mqa = lin(hidden_size, kv_lora_rank + qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, MLA_NORM_EPS, dtype)
+        self.kv_b_proj = lin(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.g_proj = lin(hidden_size, num_heads * v_head_dim) if use_output_gate else None
+        self.o_proj = lin(num_heads * v_head_dim, hidden_size)
+
+    # pieces -------------------------------------------------------------------------------
+    def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, D] -> q [T, H, nope + rope]."""
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(x.shape[0], self.num_heads, -1)
+
+    def project_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, D] -> the cached latent [T, kv_lora_rank + rope]."""
+        c_kv, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
+        return torch.cat([self.kv_a_layernorm(c_kv), k_r], -1)
+
+    def _w_kvb(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :]  # W_UK [H, nope, L], W_UV [H, v, L]
+
+    def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [Tk, L + R] -> k [Tk, H, nope + rope], v [Tk, H, v]."""
+        kv = self.kv_b_proj(latent[:, : self.kv_lora_rank]).view(latent.shape[0], self.num_heads, -1)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        k_r = latent[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
+        return torch.cat([k_nope, k_r], -1), v
+
+    def absorb_q(self, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H, nope + rope] -> [T, H, L + rope] (W_UK folded into q)."""
+        w_uk, _ = self._w_kvb()
+        q_nope, q_r = q.split([self.nope, self.rope], -1)
+        return torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_r], -1)
+
+    def unabsorb_o(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """[T, H, L] -> [T, H, v] (W_UV applied after attention)."""
+        _, w_uv = self._w_kvb()
+        return torch.einsum("thl,hvl->thv", o_latent, w_uv)
+
+    def attend_naive(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        """One sequence: q [Tq, H, Dqk] are the last Tq positions of latent [Tk, L + R]."""
+        k, v = self.expand_kv(latent)
+        return naive_mla_attention(q, k, v, self.scale)
+
+    def attend_absorbed(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        o_lat = absorbed_mla_attention(self.absorb_q(q), latent, self.kv_lora_rank, self.scale)
+        return self.unabsorb_o(o_lat)
+
+    def gate_and_project(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        o = o.reshape(x.shape[0], -1)
+        if self.g_proj is not None:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.o_proj(o.to(x.dtype))
+
+    # step ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        cache = batch.cache.mla_latent[self.layer_idx]
+        q = self.project_q(x)
+        cache[batch.slot_mapping] = self.project_latent(x).to(cache.dtype)
+        if batch.is_decode:
+            o_lat = mla_decode(
+                self.absorb_q(q), cache, batch.block_tables, batch.context_lens,
+                batch.cache.block_size, self.kv_lora_rank, self.scale,
+            )
+            o = self.unabsorb_o(o_lat.to(x.dtype))
+        else:
+            ks, vs, cu_k = [], [], [0]
+            for i in range(batch.num_seqs):
+                lat = gather_latent(cache, batch.block_tables[i], int(batch.context_lens[i]), batch.cache.block_size)
+                k, v = self.expand_kv(lat.to(x.dtype))
+                ks.append(k)
+                vs.append(v)
+                cu_k.append(cu_k[-1] + lat.shape[0])
+            o = mla_prefill(q, torch.cat(ks), torch.cat(vs), batch.cu_seqlens, torch.tensor(cu_k), self.scale)
+        return self.gate_and_project(x, o)
