@@ -1,0 +1,77 @@
+"""Shared benchmark helpers: the machine description, timing with medians, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    for pkg in ("triton", "ray"):
+        try:
+            info[pkg] = __import__(pkg).__version__
+        except ImportError:
+            info[pkg] = None
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of fn() over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    for key, value in result.items():
+        if key in ("machine", "config"):
+            continue
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            cols = list(value[0])
+            print(f"{key}:")
+            print("  " + " | ".join(cols))
+            for row in value:
+                print("  " + " | ".join(_fmt(row.get(c)) for c in cols))
+        else:
+            print(f"{key}: {_fmt(value)}")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,37 @@
+"""`k3ray` console entry point. Each subcommand lives in its own module, imported on use."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module exposing add_arguments(parser) and main(args) -> int
+COMMANDS = {
+    "info": ("k3ray.commands.info", "parameter counts and per-sequence memory of a preset or checkpoint"),
+    "generate": ("k3ray.commands.generate", "generate text in this process from a checkpoint"),
+    "bench": ("k3ray.bench.cli", "benchmarks that print and save JSON"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3ray", description="Serve and evaluate Kimi K3 on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return importlib.import_module(args._module).main(args) or 0
+    except ValueError as e:
+        print(f"k3ray {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
