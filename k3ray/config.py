@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 LayerType = Literal["kda", "mla"]
@@ -149,7 +149,9 @@ class ModelConfig:
             text, vision_hf, quant = hf, None, hf.get("quantization_config")
         else:
             raise ValueError(f"model_type must be 'kimi_k3' or 'kimi_linear', got {model_type!r}")
-        return _text_from_hf(text, vision_hf, quant, name)
+        config = _text_from_hf(text, vision_hf, quant, name)
+        placeholder = hf.get("media_placeholder_token_id", text.get("media_placeholder_token_id"))
+        return config if placeholder is None else config.replace(media_placeholder_token_id=placeholder)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -206,6 +208,7 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
+            "media_placeholder_token_id": self.media_placeholder_token_id,
             "linear_attn_config": {
                 "num_heads": self.kda_num_heads,
                 "head_dim": self.kda_head_dim,

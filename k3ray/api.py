@@ -1,0 +1,138 @@
+"""The documented Python entry point: load any K3-shaped checkpoint directory and score or
+generate in this process.
+
+    from k3ray.api import K3
+    k3 = K3.load("path/to/checkpoint")        # its own config.json: any widths and layer counts
+    logits = k3.logits([1, 2, 3])              # [3, vocab] fp32 full-sequence logits
+    lp, greedy = k3.loglikelihood(ctx_ids, continuation_ids)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from k3ray.models.forward_batch import ForwardBatch, ModelCache
+from k3ray.models.k3 import K3ForCausalLM
+
+BLOCK_SIZE = 64
+
+
+@dataclass
+class K3:
+    model: K3ForCausalLM
+    tokenizer: object | None = None
+    name: str = "k3"
+    prefill_chunk: int = 4096  # tokens per forward: bounds activation memory on long inputs
+
+    @classmethod
+    def load(cls, path: str | None = None, dtype: torch.dtype = torch.float32) -> "K3":
+        """Load a checkpoint directory (config.json + safetensors, tokenizer files if present);
+        with no path, the deterministic tiny K3 checkpoint (made on first use)."""
+        from k3ray.default_model import default_checkpoint_dir
+        from k3ray.tokenizer import load_tokenizer
+        from k3ray.weights import load_model
+
+        path = path or default_checkpoint_dir()
+        model = load_model(path, dtype=dtype)
+        try:
+            tokenizer = load_tokenizer(path)
+        except ValueError:
+            tokenizer = None
+        return cls(model.eval(), tokenizer, name=model.config.name)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def _check_ids(self, ids: Sequence[int]) -> torch.Tensor:
+        t = torch.as_tensor(list(ids), dtype=torch.long)
+        if t.dim() != 1 or t.numel() == 0:
+            raise ValueError("token_ids must be a non-empty 1-D sequence of ints")
+        bad = t[(t < 0) | (t >= self.vocab_size)]
+        if bad.numel():
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size})")
+        limit = self.model.config.max_position_embeddings
+        if t.numel() > limit:
+            raise ValueError(f"{t.numel()} tokens exceed the model's context of {limit}")
+        return t
+
+    def _session(self, total_len: int) -> ModelCache:
+        blocks = max(1, math.ceil(total_len / BLOCK_SIZE))
+        return ModelCache.allocate(self.model.config, 1, blocks, BLOCK_SIZE, dtype=self.model.dtype)
+
+    def _step(self, cache: ModelCache, ids: torch.Tensor, prior: int, all_logits: bool) -> torch.Tensor:
+        n = ids.numel()
+        table = torch.arange(_blocks(cache))[None]
+        batch = ForwardBatch(torch.tensor([0, n]), torch.tensor([prior + n]), torch.tensor([0]), table, cache)
+        idx = None if all_logits else torch.tensor([n - 1])
+        return self.model(ids, batch, logits_indices=idx).float()
+
+    @torch.no_grad()
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Full-sequence logits [T, vocab] (fp32): row t scores the token after position t."""
+        ids = self._check_ids(token_ids)
+        cache = self._session(ids.numel())
+        out = [self._step(cache, ids[s : s + self.prefill_chunk], s, True) for s in range(0, ids.numel(), self.prefill_chunk)]
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def loglikelihood(self, context: Sequence[int], continuation: Sequence[int]) -> tuple[float, bool]:
+        """log P(continuation | context) and whether it is the greedy continuation (lm-eval's pair)."""
+        if not continuation:
+            raise ValueError("continuation must contain at least one token")
+        ids = list(context) + list(continuation)
+        logp = torch.log_softmax(self.logits(ids), -1)
+        rows = logp[len(context) - 1 : len(ids) - 1]  # predictions for the continuation tokens
+        target = torch.tensor(list(continuation))
+        return rows.gather(-1, target[:, None]).sum().item(), bool((rows.argmax(-1) == target).all())
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Greedy (temperature 0) or sampled continuation, stopping at EOS / stop ids."""
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        ids = self._check_ids(prompt_ids)
+        stops = set(stop_token_ids or ()) | {self.model.config.eos_token_id}
+        gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+        cache = self._session(ids.numel() + max_new_tokens)
+        logits = None
+        for s in range(0, ids.numel(), self.prefill_chunk):
+            logits = self._step(cache, ids[s : s + self.prefill_chunk], s, False)
+        out: list[int] = []
+        pos = ids.numel()
+        while True:
+            nxt = _sample(logits[-1], temperature, top_k, gen)
+            out.append(nxt)
+            if nxt in stops or len(out) >= max_new_tokens:
+                return out
+            logits = self._step(cache, torch.tensor([nxt]), pos, False)
+            pos += 1
+
+
+def _blocks(cache: ModelCache) -> int:
+    lat = next(iter(cache.mla_latent.values()), None)
+    return 1 if lat is None else lat.shape[0] // cache.block_size
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))

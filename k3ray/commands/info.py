@@ -1,0 +1,92 @@
+"""`k3ray info`: parameter counts and one sequence's cache memory, on the meta device."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from k3ray.config import ModelConfig, preset
+from k3ray.info import sequence_memory, summarize
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="a named config: k3 or k3-tiny")
+    src.add_argument("path", nargs="?", help="a checkpoint directory or a config.json")
+    p.add_argument("--context-len", type=_parse_len, default=None, help="tokens (k/m suffixes; default: the model max)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _parse_len(text: str) -> int:
+    t = text.strip().lower()
+    mult = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from e
+
+
+def load_config(preset_name: str | None, path: str | None) -> ModelConfig:
+    if path:
+        cfg = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.exists(cfg):
+            raise ValueError(f"no config.json at {path}")
+        return ModelConfig.from_json_file(cfg)
+    return preset(preset_name or "k3")
+
+
+def main(args: argparse.Namespace) -> int:
+    config = load_config(args.preset, args.path)
+    s = summarize(config)
+    ctx = args.context_len if args.context_len is not None else config.max_position_embeddings
+    mem = sequence_memory(config, ctx)
+    report = {
+        "model": config.name,
+        "layers": {"total": config.num_layers, "kda": len(config.kda_layer_ids), "mla": len(config.mla_layer_ids)},
+        "total_params": s.total,
+        "active_params": s.active,
+        "params_by_type": s.params,
+        "params_per_layer": s.per_layer,
+        "weight_bytes": s.weight_bytes,
+        "expert_format": config.expert_format,
+        "sequence_memory": {
+            "context_len": ctx,
+            "kda_state_bytes": mem.kda_state_bytes,
+            "conv_state_bytes": mem.conv_state_bytes,
+            "mla_bytes_per_token": mem.mla_bytes_per_token,
+            "mla_bytes": mem.mla_bytes,
+            "total_bytes": mem.total_bytes,
+        },
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{config.name}: {config.num_layers} layers ({len(config.kda_layer_ids)} KDA, {len(config.mla_layer_ids)} MLA), "
+          f"{config.expert_format} experts")
+    print(f"  total parameters   {_count(s.total)}   ({s.total:,})")
+    print(f"  active per token   {_count(s.active)}   ({s.active:,})")
+    print(f"  weights on disk    {_bytes(s.weight_bytes)}")
+    for cat, n in s.params.items():
+        print(f"    {cat:<20} {_count(n):>10}")
+    for lt, n in s.per_layer.items():
+        print(f"  one {lt} layer{'' if lt != 'routed_experts' else ' (routed experts)'}: {_count(n)}")
+    print(f"  one sequence at {ctx:,} tokens:")
+    print(f"    KDA state {_bytes(mem.kda_state_bytes)} + conv state {_bytes(mem.conv_state_bytes)} (constant)")
+    print(f"    MLA latent {mem.mla_bytes_per_token:,} B/token -> {_bytes(mem.mla_bytes)}")
+    print(f"    total {_bytes(mem.total_bytes)}")
+    return 0
+
+
+def _count(n: int) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.4g}{unit}"
+    return str(n)
+
+
+def _bytes(n: int) -> str:
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.4g} {unit}"
+    return f"{n} B"
