@@ -1,0 +1,52 @@
+"""The embedded default: a deterministic tiny K3 checkpoint written on first use to a cache dir.
+
+Same format as the published K3 checkpoint (sharded safetensors, MXFP4 experts, config.json)
+plus the byte-level tokenizer's config, so every code path that loads K3 loads it too."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+
+from k3ray.config import k3_tiny_config
+
+DEFAULT_NAME = "k3-tiny-v1"  # bump when the tiny model's definition changes
+DEFAULT_SEED = 0
+
+
+def cache_root() -> str:
+    return os.environ.get("K3RAY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "k3ray")
+
+
+def write_tiny_checkpoint(path: str, seed: int = DEFAULT_SEED, max_shard_bytes: int = 256 * 1024) -> str:
+    """Write the tiny K3 (random weights from `seed`, bf16 + published fp32 exceptions) to path."""
+    from k3ray.models.init import build_model
+    from k3ray.tokenizer import ByteTokenizer
+    from k3ray.weights import save_checkpoint
+
+    config = k3_tiny_config()
+    model = build_model(config, torch.bfloat16, seed=seed)
+    save_checkpoint(model, path, max_shard_bytes=max_shard_bytes)
+    ByteTokenizer(vocab_size=config.vocab_size).save_pretrained(path)
+    return path
+
+
+def default_checkpoint_dir() -> str:
+    """The default checkpoint directory, created atomically on first use."""
+    final = os.path.join(cache_root(), DEFAULT_NAME)
+    if os.path.exists(os.path.join(final, "config.json")):
+        return final
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=cache_root())
+    try:
+        write_tiny_checkpoint(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
