@@ -1,0 +1,55 @@
+"""`k3ray plan`: size a K3 deployment (stage / expert-shard / router actors) for a device type."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from k3ray.commands.info import _parse_len, load_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="a named config: k3 (default) or k3-tiny")
+    src.add_argument("path", nargs="?", help="a checkpoint directory or a config.json")
+    p.add_argument("--device", default="H200", help="H100, H200, B200 or CPU")
+    p.add_argument("--device-memory-gib", type=float, default=None, help="memory per device (required for CPU)")
+    p.add_argument("--context-len", type=_parse_len, default=131072, help="tokens per sequence (k/m suffixes)")
+    p.add_argument("--concurrency", type=int, default=8, help="sequences resident at once")
+    p.add_argument("--experts", choices=["mxfp4", "bf16"], default="mxfp4", help="routed-expert weight format")
+    p.add_argument("--pipeline", type=int, default=None, help="fix the number of pipeline stages")
+    p.add_argument("--expert-parallel", type=int, default=None, help="fix expert shards per stage")
+    p.add_argument("--json", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    from k3ray.plan import GIB, PlanRequest, plan
+
+    req = PlanRequest(
+        config=load_config(args.preset, args.path), device=args.device.upper() if args.device.lower() != "cpu" else "CPU",
+        context_len=args.context_len, concurrency=args.concurrency, expert_format=args.experts,
+        pipeline=args.pipeline, expert_parallel=args.expert_parallel, device_memory_gib=args.device_memory_gib,
+    )
+    p = plan(req)
+    rows = [
+        {"role": a.role, "stage": a.stage, "layers": f"{a.layers[0]}-{a.layers[1] - 1}",
+         "experts": f"{a.experts[0]}-{a.experts[1] - 1}" if a.experts else "", "devices": a.devices,
+         "weights_gib": round(a.weight_bytes / GIB, 2), "kda_state_gib": round(a.kda_state_bytes / GIB, 2),
+         "mla_cache_gib": round(a.mla_cache_bytes / GIB, 2), "total_gib": round(a.total_bytes / GIB, 2)}
+        for a in p.actors
+    ]
+    summary = {"model": req.config.name, "device": req.device, "pipeline": p.pipeline,
+               "expert_parallel": p.expert_parallel, "devices": p.num_devices,
+               "usable_gib_per_device": round(p.device_bytes / GIB, 1), "context_len": req.context_len,
+               "concurrency": req.concurrency, "experts": req.expert_format, "actors": rows}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{req.config.name} on {req.device}: pipeline {p.pipeline} x expert-parallel {p.expert_parallel} "
+          f"= {p.num_devices} devices ({summary['usable_gib_per_device']} GiB usable each), "
+          f"{req.concurrency} x {req.context_len:,}-token sequences, {req.expert_format} experts")
+    cols = list(rows[0])
+    print("  " + "  ".join(f"{c:>13}" for c in cols))
+    for r in rows:
+        print("  " + "  ".join(f"{str(r[c]):>13}" for c in cols))
+    return 0
