@@ -6,10 +6,13 @@ weight_scale [out, in/32] uint8: value 2^(s - 127) for the 32 elements of block 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 GROUP = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def _e2m1_table(device: torch.device) -> torch.Tensor:
@@ -17,30 +20,39 @@ def _e2m1_table(device: torch.device) -> torch.Tensor:
     return torch.cat([pos, -pos])  # codes 8..15 carry the sign bit
 
 
+@functools.lru_cache(maxsize=16)
+def _byte_table(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[256, 2]: the (low, high) nibble values of every byte."""
+    codes = torch.arange(256, device=device)
+    return _e2m1_table(device)[torch.stack([codes & 0x0F, codes >> 4], -1)].to(dtype)
+
+
+def _unpack(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    pairs = _byte_table(packed.device, dtype).index_select(0, packed.reshape(-1).int())  # [numel, 2]
+    return pairs.view(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """[..., n/2] uint8 -> [..., n] fp32 E2M1 values."""
-    lo = (packed & 0x0F).long()
-    hi = (packed >> 4).long()
-    codes = torch.stack([lo, hi], -1).flatten(-2)
-    return _e2m1_table(packed.device)[codes]
+    """[..., n/2] uint8 -> [..., n] fp32 E2M1 values (one table lookup per byte)."""
+    return _unpack(packed, torch.float32)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[out, in/2] packed + [out, in/32] E8M0 -> [out, in] in dtype (exact in fp32 and bf16)."""
-    vals = unpack_fp4(packed)  # [out, in]
-    s = torch.exp2(scale.float() - 127.0)  # [out, in/32]
+    work = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32  # E2M1 * 2^k is exact in bf16 too
+    vals = _unpack(packed, work)  # [out, in]
+    s = torch.exp2(scale.float() - 127.0).to(work)  # [out, in/32]
     out = vals.view(*vals.shape[:-1], -1, GROUP) * s[..., None]
     return out.reshape(vals.shape).to(dtype)
 
 
 def _round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 code (ties to even mantissa) for |x| <= 6, sign in bit 3."""
-    mag = x.abs().clamp(max=6.0)
-    pos = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
-    dist = (mag[..., None] - pos).abs()
-    # prefer the even code on ties: add a tiny penalty to odd codes
-    dist = dist + (torch.arange(8, device=x.device) % 2) * 1e-7
-    code = dist.argmin(-1)
+    """Nearest E2M1 code (ties to the even code), sign in bit 3; magnitudes above 6 saturate."""
+    mag = x.abs()
+    code = torch.zeros(x.shape, dtype=torch.long, device=x.device)
+    for i, mid in enumerate(E2M1_MIDPOINTS):
+        # midpoint i sits between codes i and i + 1: a tie goes up only when i + 1 is even
+        code += (mag >= mid) if i % 2 else (mag > mid)
     sign = ((x < 0) & (code > 0)).long() << 3
     return code | sign
 

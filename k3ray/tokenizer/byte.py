@@ -1,0 +1,94 @@
+"""A byte-level tokenizer with K3's special tokens, for k3-tiny models and CPU tests.
+
+Ids 0..255 are raw bytes, the specials start at 256 in `BYTE_SPECIAL_TOKENS` order (matching
+`k3ray.config.k3_tiny_config`: BOS 256, EOS 257, media placeholder 266), `[PAD]` is the last id and
+every other id is reserved.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from k3ray.tokenizer import special as sp
+from k3ray.tokenizer.base import Tokenizer
+from k3ray.tokenizer.files import read_json
+
+TOKENIZER_CLASS = "K3ByteTokenizer"
+MIN_VOCAB_SIZE = 512
+BYTE_SPECIAL_TOKENS = (
+    sp.BOS,  # 256
+    sp.EOS,  # 257
+    sp.IM_END,  # 258
+    sp.IM_USER,
+    sp.IM_ASSISTANT,
+    sp.IM_SYSTEM,
+    sp.IM_MIDDLE,
+    sp.MEDIA_START,  # 263
+    sp.MEDIA_CONTENT,
+    sp.MEDIA_END,
+    sp.KIMI_IMAGE_PLACEHOLDER,  # 266
+    sp.TOOL_CALLS_SECTION_BEGIN,  # 267
+    sp.TOOL_CALLS_SECTION_END,
+    sp.TOOL_CALL_BEGIN,
+    sp.TOOL_CALL_ARGUMENT_BEGIN,
+    sp.TOOL_CALL_END,  # 271
+)
+_SINGLE_BYTES = tuple(bytes([b]) for b in range(256))
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids, K3 specials from id 256, `[PAD]` at vocab_size - 1."""
+
+    def __init__(self, vocab_size: int = MIN_VOCAB_SIZE) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(f"vocab_size must be an int >= {MIN_VOCAB_SIZE}, got {vocab_size!r}")
+        special_tokens = {token: 256 + i for i, token in enumerate(BYTE_SPECIAL_TOKENS)}
+        special_tokens[sp.PAD] = vocab_size - 1
+        super().__init__(
+            name="k3-byte",
+            vocab_size=vocab_size,
+            num_base_tokens=256,
+            special_tokens=special_tokens,
+            bos_token=sp.BOS,
+            eos_token=sp.EOS,
+            pad_token=sp.PAD,
+        )
+
+    def _encode_ordinary(self, text: str) -> list[int]:
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            # lone surrogates become U+FFFD, as tiktoken does
+            return list(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8"))
+
+    def _base_token_bytes(self, token_id: int) -> bytes:
+        return _SINGLE_BYTES[token_id]
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {
+            "tokenizer_class": TOKENIZER_CLASS,
+            "vocab_size": self.vocab_size,
+            "bos_token": sp.BOS,
+            "eos_token": sp.EOS,
+            "pad_token": sp.PAD,
+            "added_tokens_decoder": {
+                str(token_id): {"content": token, "special": True}
+                for token, token_id in sorted(self.special_tokens.items(), key=lambda kv: kv[1])
+            },
+        }
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> ByteTokenizer:
+        path = Path(directory) / "tokenizer_config.json"
+        config = read_json(path)
+        if config.get("tokenizer_class") != TOKENIZER_CLASS:
+            found = config.get("tokenizer_class")
+            raise ValueError(f"{path} names tokenizer_class {found!r}, not {TOKENIZER_CLASS!r}")
+        if "vocab_size" not in config:
+            raise ValueError(f"{path} has no vocab_size")
+        return cls(config["vocab_size"])
+
