@@ -88,7 +88,8 @@ def _layer_bytes(c: ModelConfig, expert_format: str) -> tuple[list[int], list[in
     return dense, routed
 
 
-def _split_layers(n: int, p: int) -> list[tuple[int, int]]:
+def split_range(n: int, p: int) -> list[tuple[int, int]]:
+    """[0, n) cut into p contiguous parts whose sizes differ by at most one."""
     base, extra = divmod(n, p)
     out, start = [], 0
     for s in range(p):
@@ -104,7 +105,7 @@ def build_plan(req: PlanRequest, pipeline: int, expert_parallel: int) -> Plan:
     H, K, W = c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size
     embed = 2 * c.vocab_size * c.hidden_size
     actors = []
-    for s, (a, b) in enumerate(_split_layers(c.num_layers, pipeline)):
+    for s, (a, b) in enumerate(split_range(c.num_layers, pipeline)):
         kinds = c.layer_types[a:b]
         n_kda, n_mla = kinds.count("kda"), kinds.count("mla")
         weights = sum(dense[a:b]) + (embed if a == 0 else 0) + (embed + 3 * 2 * c.hidden_size if b == c.num_layers else 0)  # lm_head, norm, output AttnRes
@@ -113,7 +114,7 @@ def build_plan(req: PlanRequest, pipeline: int, expert_parallel: int) -> Plan:
         reserve = int(req.activation_reserve_gib * GIB)
         actors.append(ActorPlan("stage", s, (a, b), None, weights, kda_state, mla, reserve, 1))
         stage_experts = sum(routed[a:b])
-        for e, (e0, e1) in enumerate(_split_layers(c.num_experts, expert_parallel)):
+        for e, (e0, e1) in enumerate(split_range(c.num_experts, expert_parallel)):
             share = stage_experts * (e1 - e0) // c.num_experts
             if share:
                 actors.append(ActorPlan("expert_shard", s, (a, b), (e0, e1), share, 0, 0, 0, 1))

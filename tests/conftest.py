@@ -26,3 +26,33 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
 
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The default tiny K3 checkpoint (bf16 + MXFP4 experts + byte tokenizer) in a temp dir."""
+    from k3ray.default_model import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("k3-tiny")))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real multi-node Ray cluster on loopback: a head and two workers with custom resources
+    (`stage_node` on worker 1, `shard_node` on worker 2) so tests can place actors per node.
+    Stopped (every process) at the end of the session."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+    workers = [
+        cluster.add_node(num_cpus=8, resources={"stage_node": 100}),
+        cluster.add_node(num_cpus=16, resources={"shard_node": 100}),
+    ]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield cluster, workers
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

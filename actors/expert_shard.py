@@ -1,0 +1,58 @@
+"""ExpertShard actor: the routed experts [e0, e1) of one stage's MoE layers (MXFP4 or bf16)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3ray.config import ModelConfig
+
+
+class ExpertContainer(nn.Module):
+    """Only `model.layers.{i}.block_sparse_moe.experts` for the MoE layers in a range, named as in
+    the full model so the checkpoint loader fills exactly these tensors."""
+
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int], expert_range: tuple[int, int], dtype):
+        super().__init__()
+        from k3ray.models.moe import LocalExperts
+
+        self.config, self.expert_range = config, expert_range
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict()
+        e0, e1 = expert_range
+        for i in range(*layer_range):
+            if not config.is_moe_layer(i):
+                continue
+            holder = nn.Module()
+            holder.block_sparse_moe = nn.Module()
+            holder.block_sparse_moe.experts = LocalExperts(
+                e0, e1 - e0, config.routed_expert_hidden_size, config.moe_intermediate_size, config.expert_format,
+                config.situ_beta, config.situ_linear_beta, dtype,
+            )
+            self.model.layers[str(i)] = holder
+
+    def experts(self, layer_idx: int):
+        return self.model.layers[str(layer_idx)].block_sparse_moe.experts
+
+
+class ExpertShard:
+    def __init__(self, checkpoint: str, layer_range: tuple[int, int], expert_range: tuple[int, int],
+                 dtype: str = "float32", torch_threads: int = 1):
+        from k3ray.weights import load_checkpoint
+
+        torch.set_num_threads(torch_threads)
+        config = ModelConfig.from_json_file(f"{checkpoint}/config.json")
+        self.container = ExpertContainer(config, layer_range, expert_range, getattr(torch, dtype))
+        load_checkpoint(self.container, checkpoint)
+        self.layer_range, self.expert_range = layer_range, expert_range
+
+    @torch.no_grad()
+    def compute(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """h [T, Dl] rows routed here -> partial y [T, Dl] fp32 from experts [e0, e1)."""
+        return self.container.experts(layer_idx)(h, ids, weights)
+
+    def ready(self) -> dict:
+        import ray
+
+        return {"layers": self.layer_range, "experts": self.expert_range,
+                "node_id": ray.get_runtime_context().get_node_id()}

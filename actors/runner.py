@@ -1,0 +1,158 @@
+"""RayModelRunner: one model replica as Ray actors in its own placement group — pipeline stages,
+one MoE router per stage and its expert shards — driven one step at a time.
+
+Activations go stage to stage as object refs (never through the driver); the driver only gets
+the last stage's logits. Every wait has a timeout; a dead or stuck actor fails the step with
+StageFailure, and Ray restarts the actor (which reloads its weights, with empty caches)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from k3ray.actors.expert_shard import ExpertShard
+from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure, StepArgs
+from k3ray.actors.router import MoERouter
+from k3ray.actors.stage import PipelineStage
+from k3ray.config import ModelConfig
+from k3ray.plan import split_range
+
+
+@dataclass
+class _StageGroup:
+    layers: tuple[int, int]
+    stage: "ray.actor.ActorHandle"
+    router: "ray.actor.ActorHandle | None"
+    shards: list[tuple[int, int, "ray.actor.ActorHandle"]]
+
+
+class RayModelRunner:
+    def __init__(self, checkpoint: str, parallel: ParallelConfig, cache: CacheSpec,
+                 ready_timeout_s: float = 300.0, name: str = "k3ray"):
+        self.config = ModelConfig.from_json_file(f"{checkpoint}/config.json")
+        if parallel.pipeline > self.config.num_layers:
+            raise ValueError(f"pipeline={parallel.pipeline} exceeds the model's {self.config.num_layers} layers")
+        if parallel.expert_parallel > self.config.num_experts:
+            raise ValueError(f"expert_parallel={parallel.expert_parallel} exceeds num_experts={self.config.num_experts}")
+        self.parallel, self.cache_spec, self.checkpoint = parallel, cache, checkpoint
+        layer_ranges = split_range(self.config.num_layers, parallel.pipeline)
+        expert_ranges = split_range(self.config.num_experts, parallel.expert_parallel)
+        has_moe = [any(self.config.is_moe_layer(i) for i in range(*r)) for r in layer_ranges]
+        bundles, roles = [], []
+        for s, moe in enumerate(has_moe):
+            bundles.append(dict(parallel.stage_resources))
+            roles.append(("stage", s, None))
+            if moe:
+                bundles.append(dict(parallel.router_resources))
+                roles.append(("router", s, None))
+                for e in range(len(expert_ranges)):
+                    bundles.append(dict(parallel.shard_resources))
+                    roles.append(("shard", s, e))
+        self.pg = placement_group(bundles, strategy=parallel.placement_strategy, name=f"{name}-replica")
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        except Exception as e:
+            remove_placement_group(self.pg)
+            raise StageFailure(
+                f"placement group of {len(bundles)} bundles ({bundles[0]} ...) was not ready in {ready_timeout_s}s; "
+                "check resources with `ray status` and `ray list nodes`"
+            ) from e
+
+        def opts(role: str, bundle: int, resources: dict[str, float]):
+            res = dict(resources)
+            return {
+                "num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res or None,
+                "max_restarts": parallel.max_restarts, "max_task_retries": 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+            }
+
+        index = {role: b for b, role in enumerate(roles)}
+        self.groups: list[_StageGroup] = []
+        for s, layers in enumerate(layer_ranges):
+            shards, router = [], None
+            if has_moe[s]:
+                for e, er in enumerate(expert_ranges):
+                    actor = ray.remote(ExpertShard).options(
+                        **opts("shard", index[("shard", s, e)], parallel.shard_resources)
+                    ).remote(checkpoint, layers, er, cache.dtype, parallel.torch_threads)
+                    shards.append((er[0], er[1], actor))
+                router = ray.remote(MoERouter).options(
+                    **opts("router", index[("router", s, None)], parallel.router_resources)
+                ).remote(shards, self.config.num_experts, parallel.call_timeout_s, parallel.torch_threads)
+            stage = ray.remote(PipelineStage).options(
+                **opts("stage", index[("stage", s, None)], parallel.stage_resources)
+            ).remote(checkpoint, layers, cache, router, parallel.call_timeout_s, parallel.torch_threads)
+            self.groups.append(_StageGroup(layers, stage, router, shards))
+        self.placement = self._wait_ready(ready_timeout_s)
+
+    def actors(self) -> list[tuple[str, "ray.actor.ActorHandle"]]:
+        out = []
+        for s, g in enumerate(self.groups):
+            out.append((f"stage {s} (layers {g.layers[0]}-{g.layers[1] - 1})", g.stage))
+            if g.router is not None:
+                out.append((f"router {s}", g.router))
+            out += [(f"expert shard {e0}-{e1 - 1} of stage {s}", h) for e0, e1, h in g.shards]
+        return out
+
+    def _wait_ready(self, timeout_s: float) -> dict[str, str]:
+        named = self.actors()
+        try:
+            infos = ray.get([h.ready.remote() for _, h in named], timeout=timeout_s)
+        except Exception as e:
+            self.shutdown()
+            raise StageFailure(f"model actors did not start: {e}") from e
+        return {name: info["node_id"] for (name, _), info in zip(named, infos)}
+
+    def step(self, step: StepArgs) -> torch.Tensor:
+        """Run one step through every stage -> logits [rows, V] fp32."""
+        ref = None
+        for g in self.groups:
+            ref = g.stage.forward.remote(step, ref)
+        return self._get(ref, "model step")
+
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        if src:
+            self._get([g.stage.copy_states.remote(src, dst) for g in self.groups], "state copy")
+
+    def expert_load(self) -> list[list[int]]:
+        """Per stage: routed (token, expert) pairs per expert since start (Router counters)."""
+        return [self._get(g.router.expert_load.remote(), "expert load") if g.router else [] for g in self.groups]
+
+    def health(self, timeout_s: float = 10.0) -> dict:
+        """Ping every actor; report dead actors and Ray nodes that left the cluster."""
+        status = {}
+        for name, handle in self.actors():
+            try:
+                ray.get(handle.ready.remote(), timeout=timeout_s)
+                status[name] = "alive"
+            except Exception as e:  # noqa: BLE001 - any failure is reported, not raised
+                status[name] = f"unavailable: {type(e).__name__}"
+        nodes = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+        lost = sorted({nid for nid in self.placement.values() if not nodes.get(nid, False)})
+        return {"healthy": all(v == "alive" for v in status.values()) and not lost,
+                "actors": status, "lost_nodes": lost}
+
+    def _get(self, refs, what: str):
+        t0 = time.monotonic()
+        try:
+            return ray.get(refs, timeout=self.parallel.call_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise StageFailure(f"{what} timed out after {time.monotonic() - t0:.1f}s") from e
+        except ray.exceptions.RayActorError as e:
+            raise StageFailure(f"{what} failed: an actor of the pipeline died ({type(e).__name__}); "
+                               "it restarts with empty caches, so in-flight requests are lost") from e
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
+                raise StageFailure(f"{what} failed inside the pipeline: {type(cause).__name__}: {cause}") from e
+            raise
+
+    def shutdown(self) -> None:
+        for _, handle in self.actors():
+            ray.kill(handle, no_restart=True)
+        remove_placement_group(self.pg)

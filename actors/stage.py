@@ -1,0 +1,77 @@
+"""PipelineStage actor: contiguous layers [a, b) of the model with their caches; its MoE layers
+send the latent rows to the stage's Router actor. The first stage embeds, the last returns logits;
+between stages the AttnRes state (partial sum + bank) travels as an object ref."""
+
+from __future__ import annotations
+
+import ray
+import torch
+from torch import nn
+
+from k3ray.actors.protocol import CacheSpec, StepArgs
+
+
+class RemoteExperts(nn.Module):
+    """Stands where LocalExperts would: the same call, answered by the Router actor."""
+
+    def __init__(self, router: "ray.actor.ActorHandle", layer_idx: int, timeout_s: float):
+        super().__init__()
+        self.router, self.layer_idx, self.timeout_s = router, layer_idx, timeout_s
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return ray.get(self.router.dispatch.remote(self.layer_idx, h, ids, weights), timeout=self.timeout_s)
+
+
+class PipelineStage:
+    def __init__(self, checkpoint: str, layer_range: tuple[int, int], cache_spec: CacheSpec,
+                 router: "ray.actor.ActorHandle | None", call_timeout_s: float, torch_threads: int = 1):
+        from k3ray.config import ModelConfig
+        from k3ray.models.forward_batch import ModelCache
+        from k3ray.models.init import build_model
+        from k3ray.weights import load_checkpoint
+
+        torch.set_num_threads(torch_threads)
+        config = ModelConfig.from_json_file(f"{checkpoint}/config.json")
+        dtype = getattr(torch, cache_spec.dtype)
+        has_moe = any(config.is_moe_layer(i) for i in range(*layer_range))
+        # one placeholder expert per MoE layer, replaced below: the stage holds no routed experts
+        model = build_model(config, dtype, seed=None, layer_range=layer_range, expert_range=(0, 1))
+        if has_moe:
+            assert router is not None, "a stage with MoE layers needs a router"
+            for i, layer in model.model.layers.items():
+                if hasattr(layer, "block_sparse_moe"):
+                    layer.block_sparse_moe.experts = RemoteExperts(router, int(i), call_timeout_s)
+        load_checkpoint(model, checkpoint)
+        self.model = model.eval()
+        self.layer_range = layer_range
+        self.cache = ModelCache.allocate(config, cache_spec.num_state_slots, cache_spec.num_blocks,
+                                         cache_spec.block_size, dtype=dtype, layers=range(*layer_range))
+
+    @torch.no_grad()
+    def forward(self, step: StepArgs, carry: tuple[torch.Tensor, torch.Tensor] | None):
+        """First stage: carry is None. Returns (hidden [T, D], bank [T, R, D]) or, on the last
+        stage, logits [len(logits_indices), V] fp32."""
+        from k3ray.models.forward_batch import ForwardBatch
+
+        batch = ForwardBatch(**step.batch_kwargs(), cache=self.cache)
+        if self.model.is_first:
+            hidden, bank = self.model.embed(step.input_ids), []
+        else:
+            hidden, stacked = carry
+            bank = list(stacked.unbind(1))
+        hidden, bank = self.model.forward_layers(hidden, bank, batch)
+        if not self.model.is_last:
+            return hidden, torch.stack(bank, 1)
+        idx = step.logits_indices
+        if idx is not None:
+            hidden, bank = hidden[idx], [b[idx] for b in bank]
+        return self.model.head(hidden, bank).float()
+
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """KDA / conv state slot copies (prefix-cache snapshots, speculative rollback)."""
+        s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+        for pool in (*self.cache.kda_state.values(), *self.cache.conv_state.values()):
+            pool[d] = pool[s]
+
+    def ready(self) -> dict:
+        return {"layers": self.layer_range, "node_id": ray.get_runtime_context().get_node_id()}

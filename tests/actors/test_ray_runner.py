@@ -1,0 +1,121 @@
+"""The model as Ray actors (stages, routers, expert shards) on a real 3-node cluster == local."""
+
+import time
+
+import pytest
+import torch
+
+from k3ray.models.forward_batch import ForwardBatch, ModelCache
+from k3ray.weights import load_model
+
+ray = pytest.importorskip("ray")
+
+from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure, StepArgs  # noqa: E402
+from k3ray.actors.runner import RayModelRunner  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+BS = 8
+SPEC = CacheSpec(num_state_slots=4, num_blocks=32, block_size=BS)
+ON_NODES = dict(stage_resources={"CPU": 1, "stage_node": 1}, shard_resources={"CPU": 1, "shard_node": 1},
+                router_resources={"CPU": 0.5, "stage_node": 1})
+
+
+def steps(ids: torch.Tensor, chunks: list[int], slot: int = 0):
+    pos = 0
+    for n in chunks:
+        yield StepArgs(ids[pos : pos + n], torch.tensor([0, n]), torch.tensor([pos + n]), torch.tensor([slot]),
+                       torch.arange(8)[None])
+        pos += n
+
+
+def local_logits(model, step_list):
+    cache = ModelCache.allocate(model.config, SPEC.num_state_slots, SPEC.num_blocks, BS)
+    out = []
+    with torch.no_grad():
+        for s in step_list:
+            out.append(model(s.input_ids, ForwardBatch(**s.batch_kwargs(), cache=cache)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_model(tiny_checkpoint):
+    return load_model(tiny_checkpoint, torch.float32)
+
+
+@pytest.mark.parametrize("pipeline, expert_parallel", [(1, 1), (2, 2), (3, 4)])
+def test_ray_pipeline_equals_local(ray_cluster, tiny_checkpoint, local_model, pipeline, expert_parallel):
+    runner = RayModelRunner(tiny_checkpoint, ParallelConfig(pipeline, expert_parallel, **ON_NODES), SPEC)
+    try:
+        nodes = {name.split()[0]: node for name, node in runner.placement.items()}
+        stage_nodes = {n for name, n in runner.placement.items() if name.startswith("stage")}
+        shard_nodes = {n for name, n in runner.placement.items() if name.startswith("expert")}
+        assert len(stage_nodes) == 1 and len(shard_nodes) == 1 and stage_nodes != shard_nodes, nodes
+        ids = torch.randint(0, 256, (19,), generator=torch.Generator().manual_seed(pipeline))
+        plan = list(steps(ids, [12, 1, 5, 1]))
+        ref = local_logits(local_model, plan)
+        for s, r in zip(plan, ref):
+            out = runner.step(s)
+            # fp32 on both sides, same kernels: only summation order of the expert partials differs
+            assert ((out - r).abs().max() / r.abs().max()).item() <= 1e-5
+            assert torch.equal(out.argmax(-1), r.argmax(-1))
+        load = runner.expert_load()
+        assert sum(map(sum, load)) == 19 * local_model.config.num_experts_per_token * 8  # 8 MoE layers
+    finally:
+        runner.shutdown()
+
+
+def test_dead_actor_fails_the_step_fast_then_recovers(ray_cluster, tiny_checkpoint, local_model):
+    runner = RayModelRunner(tiny_checkpoint, ParallelConfig(2, 2, call_timeout_s=60, **ON_NODES), SPEC)
+    try:
+        ids = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(0))
+        first, second = steps(ids, [9, 1])
+        runner.step(first)
+        _, shard = next((n, h) for n, h in runner.actors() if n.startswith("expert shard 4-7 of stage 1"))
+        ray.kill(shard, no_restart=False)  # dies between the prefill and the decode of the request
+        t0 = time.monotonic()
+        with pytest.raises(StageFailure, match="died|failed"):
+            runner.step(second)
+        assert time.monotonic() - t0 < 60
+        # the shard restarts and reloads its weights; a new request succeeds and is correct
+        deadline = time.monotonic() + 120
+        while not runner.health()["healthy"]:
+            assert time.monotonic() < deadline, runner.health()
+            time.sleep(1)
+        fresh = list(steps(ids, [10], slot=1))
+        out = runner.step(fresh[0])
+        ref = local_logits(local_model, fresh)[0]
+        assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    finally:
+        runner.shutdown()
+
+
+def test_bad_parallel_config_is_a_value_error(tiny_checkpoint):
+    with pytest.raises(ValueError, match="pipeline"):
+        ParallelConfig(pipeline=0)
+    with pytest.raises(ValueError, match="placement_strategy"):
+        ParallelConfig(placement_strategy="RANDOM")
+
+
+def test_node_that_leaves_shows_in_health_and_fails_steps(ray_cluster, tiny_checkpoint):
+    cluster, _ = ray_cluster
+    extra = cluster.add_node(num_cpus=4, resources={"doomed_node": 100})
+    cluster.wait_for_nodes()
+    parallel = ParallelConfig(1, 2, stage_resources={"CPU": 1, "stage_node": 1},
+                              shard_resources={"CPU": 1, "doomed_node": 1}, call_timeout_s=30, max_restarts=0)
+    runner = RayModelRunner(tiny_checkpoint, parallel, SPEC)
+    try:
+        assert runner.health()["healthy"]
+        cluster.remove_node(extra)
+        deadline = time.monotonic() + 90
+        while not (report := runner.health(timeout_s=5))["lost_nodes"]:
+            assert time.monotonic() < deadline, "the lost node never showed in health()"
+            time.sleep(1)
+        assert not report["healthy"]
+        assert any(v != "alive" for k, v in report["actors"].items() if k.startswith("expert shard"))
+        ids = torch.randint(0, 256, (4,))
+        t0 = time.monotonic()
+        with pytest.raises(StageFailure):
+            runner.step(next(steps(ids, [4])))
+        assert time.monotonic() - t0 < 60
+    finally:
+        runner.shutdown()
