@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.placement_group import placement_group as ray_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from k3ray.actors.expert_shard import ExpertShard
@@ -31,9 +32,30 @@ class _StageGroup:
     shards: list[tuple[int, int, "ray.actor.ActorHandle"]]
 
 
+def actor_bundles(config: ModelConfig, parallel: ParallelConfig) -> tuple[list[dict[str, float]], list[tuple]]:
+    """Placement-group bundles of one replica's model actors, and the role of each:
+    ("stage", s, None) | ("router", s, None) | ("shard", s, e). A Serve replica puts its own bundle
+    first and these after it (placement_group_bundles)."""
+    layer_ranges = split_range(config.num_layers, parallel.pipeline)
+    bundles, roles = [], []
+    for s, layers in enumerate(layer_ranges):
+        bundles.append(dict(parallel.stage_resources))
+        roles.append(("stage", s, None))
+        if any(config.is_moe_layer(i) for i in range(*layers)):
+            bundles.append(dict(parallel.router_resources))
+            roles.append(("router", s, None))
+            for e in range(parallel.expert_parallel):
+                bundles.append(dict(parallel.shard_resources))
+                roles.append(("shard", s, e))
+    return bundles, roles
+
+
 class RayModelRunner:
     def __init__(self, checkpoint: str, parallel: ParallelConfig, cache: CacheSpec,
-                 ready_timeout_s: float = 300.0, name: str = "k3ray"):
+                 ready_timeout_s: float = 300.0, name: str = "k3ray",
+                 placement_group: "PlacementGroup | None" = None, bundle_offset: int = 0):
+        """With `placement_group`, the actors use its bundles from `bundle_offset` on (a Serve
+        replica's own group, released with the replica); otherwise the runner creates one."""
         self.config = ModelConfig.from_json_file(f"{checkpoint}/config.json")
         if parallel.pipeline > self.config.num_layers:
             raise ValueError(f"pipeline={parallel.pipeline} exceeds the model's {self.config.num_layers} layers")
@@ -42,28 +64,23 @@ class RayModelRunner:
         self.parallel, self.cache_spec, self.checkpoint = parallel, cache, checkpoint
         layer_ranges = split_range(self.config.num_layers, parallel.pipeline)
         expert_ranges = split_range(self.config.num_experts, parallel.expert_parallel)
-        has_moe = [any(self.config.is_moe_layer(i) for i in range(*r)) for r in layer_ranges]
-        bundles, roles = [], []
-        for s, moe in enumerate(has_moe):
-            bundles.append(dict(parallel.stage_resources))
-            roles.append(("stage", s, None))
-            if moe:
-                bundles.append(dict(parallel.router_resources))
-                roles.append(("router", s, None))
-                for e in range(len(expert_ranges)):
-                    bundles.append(dict(parallel.shard_resources))
-                    roles.append(("shard", s, e))
-        self.pg = placement_group(bundles, strategy=parallel.placement_strategy, name=f"{name}-replica")
+        bundles, roles = actor_bundles(self.config, parallel)
+        self.owns_pg = placement_group is None
+        if placement_group is None:
+            placement_group = ray_placement_group(bundles, strategy=parallel.placement_strategy, name=f"{name}-replica")
+            bundle_offset = 0
+        self.pg = placement_group
         try:
             ray.get(self.pg.ready(), timeout=ready_timeout_s)
         except Exception as e:
-            remove_placement_group(self.pg)
+            if self.owns_pg:
+                remove_placement_group(self.pg)
             raise StageFailure(
                 f"placement group of {len(bundles)} bundles ({bundles[0]} ...) was not ready in {ready_timeout_s}s; "
                 "check resources with `ray status` and `ray list nodes`"
             ) from e
 
-        def opts(role: str, bundle: int, resources: dict[str, float]):
+        def opts(bundle: int, resources: dict[str, float]):
             res = dict(resources)
             return {
                 "num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res or None,
@@ -71,21 +88,21 @@ class RayModelRunner:
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
             }
 
-        index = {role: b for b, role in enumerate(roles)}
+        index = {role: bundle_offset + b for b, role in enumerate(roles)}
         self.groups: list[_StageGroup] = []
         for s, layers in enumerate(layer_ranges):
             shards, router = [], None
-            if has_moe[s]:
+            if ("router", s, None) in index:
                 for e, er in enumerate(expert_ranges):
                     actor = ray.remote(ExpertShard).options(
-                        **opts("shard", index[("shard", s, e)], parallel.shard_resources)
+                        **opts(index[("shard", s, e)], parallel.shard_resources)
                     ).remote(checkpoint, layers, er, cache.dtype, parallel.torch_threads)
                     shards.append((er[0], er[1], actor))
                 router = ray.remote(MoERouter).options(
-                    **opts("router", index[("router", s, None)], parallel.router_resources)
+                    **opts(index[("router", s, None)], parallel.router_resources)
                 ).remote(shards, self.config.num_experts, parallel.call_timeout_s, parallel.torch_threads)
             stage = ray.remote(PipelineStage).options(
-                **opts("stage", index[("stage", s, None)], parallel.stage_resources)
+                **opts(index[("stage", s, None)], parallel.stage_resources)
             ).remote(checkpoint, layers, cache, router, parallel.call_timeout_s, parallel.torch_threads)
             self.groups.append(_StageGroup(layers, stage, router, shards))
         self.placement = self._wait_ready(ready_timeout_s)
@@ -155,4 +172,5 @@ class RayModelRunner:
     def shutdown(self) -> None:
         for _, handle in self.actors():
             ray.kill(handle, no_restart=True)
-        remove_placement_group(self.pg)
+        if self.owns_pg:
+            remove_placement_group(self.pg)

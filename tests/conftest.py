@@ -56,3 +56,25 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def echo_checkpoint(tmp_path_factory):
+    """A tiny K3 checkpoint whose greedy output falls into repeating its last token (lm_head tied
+    to the embedding, layer outputs damped): speculative drafts then get accepted, which a random
+    model almost never does. Still a full K3 forward (every layer, routing and expert runs)."""
+    from k3ray.config import k3_tiny_config
+    from k3ray.models.init import build_model
+    from k3ray.tokenizer import ByteTokenizer
+    from k3ray.weights import save_checkpoint
+
+    model = build_model(k3_tiny_config(), torch.bfloat16, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.weight")):
+                p.mul_(0.5)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight * 0.3)
+    path = str(tmp_path_factory.mktemp("k3-tiny-echo"))
+    save_checkpoint(model, path)
+    ByteTokenizer(vocab_size=512).save_pretrained(path)
+    return path

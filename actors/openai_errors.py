@@ -1,0 +1,95 @@
+"""OpenAI-style error bodies, {"error": {"message", "type", "param", "code"}}, for every failure.
+
+Bad input of any kind (malformed JSON, wrong types, FastAPI's 422) answers 400; only a fault of
+the server itself answers 5xx.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error the client sees as `status` with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def from_value_error(e: ValueError, params: tuple[str, ...] = ()) -> APIError:
+    """A ValueError from validation -> 400, naming the request field when its message starts with one."""
+    message = str(e)
+    first = re.match(r"[A-Za-z_]+", message)
+    param = first.group() if first and first.group() in params else None
+    return bad_request(message, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """Pydantic's error list -> one readable message; param is the first failing field's path."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("the request body is invalid")
+    parts, param = [], None
+    for err in errors[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
+        if err.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON ({err.get('msg')})")
+            where = "body"
+        else:
+            parts.append(f"{where}: {err.get('msg')}")
+        param = param or (where if where != "body" else None)
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return bad_request("; ".join(parts) + more, param)

@@ -1,0 +1,112 @@
+"""The FastAPI app of one replica: OpenAI routes, vLLM's tokenizer routes, /health and /metrics.
+
+    app = build_openai_app(serving, metrics=ServeMetrics(...), health=check, api_key="...")
+
+It is a plain ASGI app (Serve's ingress wraps it; tests can also drive it in-process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from k3ray.actors.openai_chat import create_chat_completion
+from k3ray.actors.openai_completions import create_completion
+from k3ray.actors.openai_errors import APIError, bad_request, install_error_handlers
+from k3ray.actors.openai_middleware import APIKeyMiddleware, BodyLimitMiddleware
+from k3ray.actors.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from k3ray.actors.openai_serving import OpenAIServing
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024**2
+
+HealthCheck = Callable[[], Awaitable[tuple[bool, str]]]
+
+
+def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthCheck | None = None,
+                     api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="k3ray", description="OpenAI-compatible API for Kimi K3 on Ray Serve")
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [serving.model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict:
+        serving.check_model(model)
+        return serving.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Response:
+        return _respond(await create_completion(serving, req))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Response:
+        return _respond(await create_chat_completion(serving, req))
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if req.prompt is not None:
+            ids = serving.encode_text(req.prompt)
+        else:
+            ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
+        body = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": None}
+        if req.return_token_strs:
+            body["token_strs"] = serving.tokenizer.convert_ids_to_tokens(ids)
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        serving.check_model(req.model)
+        ids = serving.check_ids(req.tokens, "tokens")
+        return {"prompt": serving.tokenizer.decode(ids)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        tok = serving.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "name": tok.name,
+            "vocab_size": tok.vocab_size,
+            "bos_token": tok.convert_ids_to_tokens([tok.bos_token_id])[0],
+            "eos_token": tok.convert_ids_to_tokens([tok.eos_token_id])[0],
+            "pad_token": tok.convert_ids_to_tokens([tok.pad_token_id])[0],
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id,
+            "stop_token_ids": sorted(tok.stop_token_ids),
+            "chat_template": tok.chat_template,
+            "model_max_length": serving.max_model_len,
+            "add_bos_token": False,
+        }
+
+    @app.get("/health")
+    async def health_route() -> Response:
+        ok, detail = (True, "") if health is None else await health()
+        if not ok:
+            raise APIError(503, f"unhealthy: {detail}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        if metrics is None:
+            raise APIError(404, "metrics are not enabled")
+        text, content_type = await metrics.render()
+        return Response(text, media_type=content_type)
+
+    return app
+
+
+def _respond(result: dict | AsyncIterator[str]) -> Response:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,238 @@
+"""What the OpenAI routes share: the served model, prompt tokenization and context checks, request
+fields -> SamplingParams, and running several prompts through the AsyncEngine as one stream.
+
+Everything that can be wrong with a request is found here, before the engine sees it, and raised
+as a 400 APIError; leaving a stream early (a client disconnect cancels the handler) aborts every
+engine request of the HTTP request, which frees their caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from k3ray.actors.openai_errors import APIError, bad_request, from_value_error
+from k3ray.actors.openai_protocol import ChatMessage, SamplingFields
+from k3ray.engine.async_engine import AsyncEngine
+from k3ray.engine.outputs import RequestOutput
+from k3ray.sampling_params import SamplingParams
+
+MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n
+MEDIA_PART_TYPES = ("image_url", "video_url", "input_audio", "audio_url")
+PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
+               "logprobs", "prompt_logprobs")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    text: str | None  # as the client sent it; None for token-id prompts
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, metrics=None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_model_len: int = engine.engine.max_model_len
+        self.vocab_size: int = engine.engine.vocab_size
+        self.created = int(time.time())
+
+    # models ------------------------------------------------------------------------------------
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "k3ray",
+                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           "model", "model_not_found")
+
+    # prompts -----------------------------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        """Special-token strings in the text become special ids, as Hugging Face tokenizers do."""
+        return self.tokenizer.encode(text, allow_special=True)
+
+    def check_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        ids = list(ids)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+        return ids
+
+    def completion_prompts(self, prompt) -> list[Prompt]:
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        out = []
+        for item in prompt:
+            if isinstance(item, str):
+                out.append(Prompt(self.encode_text(item), item))
+            else:
+                out.append(Prompt(self.check_ids(item, "prompt"), None))
+        return out
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool) -> list[int]:
+        dicts = []
+        for i, message in enumerate(messages):
+            d = message.model_dump(exclude_none=True)
+            if d.get("role") == "developer":  # OpenAI's newer name for the system role
+                d["role"] = "system"
+            for j, part in enumerate(d.get("content") if isinstance(d.get("content"), list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in MEDIA_PART_TYPES:
+                    raise bad_request(
+                        f"{kind} content parts are not supported yet: this deployment has no vision encoder; "
+                        "send text parts only", f"messages[{i}].content[{j}]", "unsupported_content")
+            dicts.append(d)
+        try:
+            return self.tokenizer.encode_chat(dicts, add_generation_prompt, continue_final_message)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from e
+
+    def check_context(self, prompts: Sequence[Prompt], max_tokens: int | None) -> None:
+        for p in prompts:
+            if not p.ids:
+                raise bad_request("the prompt is empty", "prompt")
+            wanted = len(p.ids) + (max_tokens or 0)
+            if len(p.ids) >= self.max_model_len or wanted > self.max_model_len:
+                raise bad_request(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{wanted} tokens ({len(p.ids)} in the prompt, {max_tokens or 0} for the completion). Please "
+                    "reduce the length of the prompt or of the completion.", "prompt", "context_length_exceeded")
+
+    # sampling ----------------------------------------------------------------------------------
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        _reject_unsupported(req)
+        try:
+            params = SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                stop=req.stop,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+            params.validate(self.vocab_size, self.max_model_len)
+        except ValueError as e:
+            raise from_value_error(e, PARAM_NAMES) from e
+        return params
+
+    # running -----------------------------------------------------------------------------------
+    def request_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    async def generate(self, prompts: Sequence[Prompt], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as any prompt advances; closing it aborts them all."""
+        if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
+            raise bad_request(f"{len(prompts)} prompts x n={params.n} exceeds {MAX_SEQUENCES_PER_REQUEST} "
+                              "sequences per request", "prompt")
+        started = time.monotonic()
+        streams = [self.engine.generate(p.ids, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+        async with aclosing(_merge(streams)) as merged:
+            async for i, out in merged:
+                if out.finished and self.metrics is not None:
+                    self.metrics.observe_finished(out, time.monotonic() - started)
+                yield i, out
+
+    async def run_to_end(self, prompts: Sequence[Prompt], params: SamplingParams,
+                         request_id: str) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async with aclosing(self.generate(prompts, params, request_id)) as outputs:
+                async for i, out in outputs:
+                    if out.finished:
+                        finals[i] = out
+        except ValueError as e:
+            raise from_value_error(e, PARAM_NAMES) from e
+        return finals  # type: ignore[return-value]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def stream_error(e: BaseException) -> str:
+    status = 400 if isinstance(e, ValueError) else 500
+    err = e if isinstance(e, APIError) else APIError(status, f"{type(e).__name__}: {e}")
+    return sse(err.body())
+
+
+def check_stream_options(req: SamplingFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be given with stream=true", "stream_options")
+
+
+def _reject_unsupported(req: SamplingFields) -> None:
+    """Fields k3ray does not implement fail loudly unless they hold their neutral value."""
+    neutral = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0)}
+    for name, allowed in neutral.items():
+        if getattr(req, name) not in allowed:
+            raise bad_request(f"{name} is not supported by k3ray yet; leave it unset", name, "unsupported_parameter")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by k3ray yet", "logit_bias", "unsupported_parameter")
+    for name in ("best_of", "suffix", "tools", "response_format"):
+        value = getattr(req, name, None)
+        if name == "best_of" and value in (None, req.n):
+            continue
+        if name == "response_format" and (value is None or value.get("type") == "text"):
+            continue
+        if value:
+            raise bad_request(f"{name} is not supported by k3ray yet", name, "unsupported_parameter")
+
+
+async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for out in stream:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, done))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

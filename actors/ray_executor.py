@@ -1,0 +1,62 @@
+"""RayExecutor: the engine's Executor over Ray actors (pipeline stages, MoE routers, expert
+shards). The scheduler stays in the driver; only plan tensors and logits cross the boundary."""
+
+from __future__ import annotations
+
+import torch
+
+from k3ray.actors.protocol import CacheSpec, ParallelConfig, StepArgs
+from k3ray.actors.runner import RayModelRunner
+from k3ray.config import ModelConfig
+from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
+from k3ray.engine.executor import Executor
+from k3ray.engine.plan import DraftPlan, StepPlan
+
+
+class RayExecutor(Executor):
+    def __init__(self, checkpoint: str, parallel: ParallelConfig, dtype: torch.dtype = torch.float32,
+                 placement_group=None, bundle_offset: int = 0, ready_timeout_s: float = 300.0):
+        self.checkpoint, self.parallel, self.dtype = checkpoint, parallel, dtype
+        self.config = ModelConfig.from_json_file(f"{checkpoint}/config.json")
+        self._pg, self._offset, self._ready_timeout = placement_group, bundle_offset, ready_timeout_s
+        self.runner: RayModelRunner | None = None
+
+    def cache_layout(self) -> CacheLayout:
+        return [(self.config, self.dtype)]
+
+    def allocate_cache(self, geometry: CacheGeometry) -> None:
+        if self.runner is not None:
+            self.runner.shutdown()
+        spec = CacheSpec(geometry.num_state_slots, geometry.num_blocks, geometry.block_size,
+                         str(self.dtype).removeprefix("torch."))
+        self.runner = RayModelRunner(self.checkpoint, self.parallel, spec, self._ready_timeout,
+                                     placement_group=self._pg, bundle_offset=self._offset)
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        assert self.runner is not None, "allocate_cache() first"
+        self.runner.copy_states(*_unzip(plan.pre_copies))
+        out = [
+            self.runner.step(StepArgs(b.input_ids, b.cu_seqlens, b.context_lens, b.state_slots, b.block_tables,
+                                      b.logits_indices, b.spec_state_slots))
+            for b in plan.batches
+        ]
+        self.runner.copy_states(*_unzip(plan.post_copies))
+        return torch.cat(out) if out else torch.zeros(0, self.config.vocab_size)
+
+    def propose(self, plan: DraftPlan) -> torch.Tensor:
+        raise ValueError("draft-model speculation is not available on the Ray executor; use method='ngram'")
+
+    def health(self) -> dict:
+        return self.runner.health() if self.runner else {"healthy": False, "actors": {}, "lost_nodes": []}
+
+    def expert_load(self) -> list[list[int]]:
+        return self.runner.expert_load() if self.runner else []
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.shutdown()
+            self.runner = None
+
+
+def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    return [int(a) for a, _ in pairs], [int(b) for _, b in pairs]

@@ -1,0 +1,75 @@
+"""The Ray Serve deployment: one replica = one model pipeline behind the OpenAI routes.
+
+    serve run k3ray.actors.serve_app:build_app model=/path/to/ckpt max_replicas=2
+    serve.run(build_app({"model": "/path/to/ckpt", "pipeline": 2}))
+
+`build_app(args)` is the Serve import path; args are ServeArgs fields. A replica with pipeline or
+expert_parallel > 1 declares its placement-group bundles up front, so its stages, routers and
+expert shards are reserved, started and released together with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import ray
+from ray import serve
+from ray.serve import Application
+
+from k3ray.actors.openai_routes import build_openai_app
+from k3ray.actors.openai_serving import OpenAIServing
+from k3ray.actors.serve_config import ServeArgs, deployment_options
+from k3ray.actors.serve_engine import build_engine
+from k3ray.actors.serve_metrics import ServeMetrics
+from k3ray.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+@serve.deployment(name="K3Server")
+@serve.ingress()
+class K3Server:
+    async def __init__(self, args: dict) -> None:
+        self.args = ServeArgs.model_validate(args)
+        placement_group = ray.util.get_current_placement_group() if self.args.distributed else None
+        engine, self.executor = await asyncio.to_thread(build_engine, self.args, placement_group)
+        self.engine = AsyncEngine(engine)
+        expert_load = getattr(self.executor, "expert_load", None)
+        self.metrics = ServeMetrics(self.args.served_model_name, self.engine.get_stats, expert_load)
+        self.serving = OpenAIServing(self.engine, engine.tokenizer, self.args.served_model_name, self.metrics)
+        logger.info("K3Server ready: %s, max_model_len %d, %s", self.args.served_model_name,
+                    engine.max_model_len, type(self.executor).__name__)
+
+    def __serve_build_asgi_app__(self):
+        return build_openai_app(self.serving, metrics=self.metrics, health=self.health,
+                                api_key=self.args.api_key or os.environ.get("K3RAY_API_KEY") or None,
+                                max_body_bytes=self.args.max_body_bytes)
+
+    async def health(self) -> tuple[bool, str]:
+        """A local model is healthy while the replica answers; a Ray pipeline pings its actors."""
+        executor_health = getattr(self.executor, "health", None)
+        if executor_health is None:
+            return True, ""
+        report = await asyncio.to_thread(executor_health)
+        bad = {name: state for name, state in report["actors"].items() if state != "alive"}
+        return report["healthy"], f"actors {bad}, lost nodes {report['lost_nodes']}"
+
+    async def check_health(self) -> None:
+        """Serve's periodic probe: an unhealthy pipeline makes Serve replace the whole replica."""
+        ok, detail = await self.health()
+        if not ok:
+            raise RuntimeError(detail)
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            await asyncio.to_thread(shutdown)
+
+
+def build_app(args: dict) -> Application:
+    """Serve app builder (import path `k3ray.actors.serve_app:build_app`)."""
+    resolved = ServeArgs.model_validate(dict(args or {})).resolved()
+    return K3Server.options(**deployment_options(resolved)).bind(resolved.model_dump())

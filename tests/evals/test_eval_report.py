@@ -1,0 +1,70 @@
+"""summary.json, heatmap.png, report.md and report.html: existence and content."""
+
+import json
+
+from PIL import Image
+
+from k3ray.evals import report
+from k3ray.evals.heatmap import length_label
+from k3ray.evals.tasks import TASKS
+
+CONFIG = {"tasks": ["niah", "vt"], "lengths": [1024, 1 << 20], "seed": 0, "target": "k3@http://127.0.0.1:8000"}
+
+
+def _record(task, length, depth, score, error=None):
+    return {"key": f"{task}/{length}/{depth}", "task": task, "length": length, "depth": depth,
+            "score": None if error else score, "error": error}
+
+
+RECORDS = [
+    _record("niah", 1024, 0.0, 1.0), _record("niah", 1024, 100.0, 0.0),
+    _record("niah", 1 << 20, 0.0, 1.0), _record("niah", 1 << 20, 100.0, 1.0),
+    _record("vt", 1024, 0.0, 0.5), _record("vt", 1 << 20, 0.0, 0.0, error="TimeoutError: slow"),
+]
+
+
+def test_summary_grid_and_breakdowns():
+    summary = report.summarize(RECORDS, [TASKS["niah"], TASKS["vt"]], CONFIG)
+    assert summary["lengths"] == [1024, 1 << 20] and summary["depths"] == [0.0, 100.0]
+    assert summary["accuracy"] == round(3.5 / 5, 6) and summary["n"] == 5 and summary["errors"] == 1
+    assert summary["grid"] == [[0.75, 0.0], [1.0, 1.0]]
+    assert summary["by_length"] == {"1024": 0.5, str(1 << 20): 1.0}
+    vt = summary["tasks"]["vt"]
+    assert vt["accuracy"] == 0.5 and vt["grid"] == [[0.5], [None]] and vt["depths"] == [0.0]
+    assert summary["config"] == CONFIG
+
+
+def test_report_files_exist_and_carry_the_numbers(tmp_path):
+    summary = report.summarize(RECORDS, [TASKS["niah"], TASKS["vt"]], CONFIG)
+    report.write_report(tmp_path, summary)
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    with Image.open(tmp_path / "heatmap.png") as png:
+        assert png.format == "PNG" and png.width > 300 and png.height > 200
+        assert len(png.convert("RGB").getcolors(1 << 16) or []) > 50  # drawn, not blank
+    md = (tmp_path / "report.md").read_text()
+    assert "Overall accuracy 70.0% over 5 scored cells (1 failed)." in md
+    assert "| 0% | 75.0 | 100.0 |" in md and "| 100% | 0.0 | 100.0 |" in md
+    assert "| vt | tokens | all | 1 | 50.0 | 50.0 | - |" in md
+    assert "| target | k3@http://127.0.0.1:8000 |" in md and "![accuracy heatmap](heatmap.png)" in md
+    page = (tmp_path / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<img src='heatmap.png'" in page
+    assert "<td>75.0</td>" in page and "<td>k3@http://127.0.0.1:8000</td>" in page
+
+
+def test_html_escapes_what_it_shows(tmp_path):
+    summary = report.summarize(RECORDS[:1], [TASKS["niah"]], {"target": "<script>x</script>"})
+    page = report.html_report(summary)
+    assert "<script>" not in page and "&lt;script&gt;" in page
+
+
+def test_random_depth_runs_plot_by_length(tmp_path):
+    records = [_record("cwe", 4096, None, 1.0), _record("cwe", 8192, None, 0.0)]
+    summary = report.summarize(records, [TASKS["cwe"]], {"target": "oracle"})
+    assert summary["depths"] == [] and summary["grid"] == [[], []]
+    report.write_report(tmp_path, summary)
+    assert (tmp_path / "heatmap.png").stat().st_size > 1000
+    assert "Accuracy (%) by depth" not in (tmp_path / "report.md").read_text()
+
+
+def test_length_labels():
+    assert [length_label(n) for n in (1024, 4096, 1 << 20, 3000, 8)] == ["1k", "4k", "1m", "3000", "8"]
