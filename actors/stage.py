@@ -73,5 +73,9 @@ class PipelineStage:
         for pool in (*self.cache.kda_state.values(), *self.cache.conv_state.values()):
             pool[d] = pool[s]
 
+    def relay(self, carry):
+        """Hand a carry straight on (measures the Ray cost of one pipeline hop)."""
+        return carry
+
     def ready(self) -> dict:
         return {"layers": self.layer_range, "node_id": ray.get_runtime_context().get_node_id()}

@@ -10,6 +10,7 @@ from k3ray.bench.common import print_table, write_json
 BENCHMARKS = {
     "model": ("k3ray.bench.model", "tiny K3 model prefill / decode tokens/s on this machine"),
     "kernels": ("k3ray.bench.kernels", "per-op kernel timings at K3 and tiny shapes"),
+    "cluster": ("k3ray.actors.bench_cluster", "decode local vs Ray actors, pipeline hop and MoE dispatch cost"),
     "engine": ("k3ray.bench.engine", "continuous batching, prefix caching, speculative decoding, long prompts"),
 }
 
