@@ -33,7 +33,7 @@ def test_variable_chain_is_in_order_and_complete(depth):
     first, *rest = item.answers
     value = re.search(rf"VAR {first} = (\d+)\.", item.prompt).group(1)
     positions = [item.prompt.index(f"VAR {first} = {value}.")]
-    for prev, name in zip(item.answers, rest):
+    for prev, name in zip(item.answers, rest, strict=False):
         positions.append(item.prompt.index(f"VAR {name} = VAR {prev}."))
     assert positions == sorted(positions)
     assert f"assigned the value {value}" in item.prompt

@@ -1,0 +1,52 @@
+"""gkamradt-style heatmap: needle depth (rows) x context length (columns), red -> green accuracy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# gkamradt's colours, red (0%) -> yellow -> green (100%)
+_COLOURS = ["#F0496E", "#EBB839", "#0CD79F"]
+
+
+def length_label(length: int) -> str:
+    for suffix, size in (("m", 1 << 20), ("k", 1 << 10)):
+        if length >= size and length % size == 0:
+            return f"{length // size}{suffix}"
+    return str(length)
+
+
+def plot(summary: dict[str, Any], path: str | Path) -> None:
+    """Write the grid of `summary` (per length x depth; by length alone when depths are random)."""
+    # imported here: matplotlib is slow to import and only the report needs it
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import LinearSegmentedColormap
+    from matplotlib.figure import Figure
+
+    lengths, depths = summary["lengths"], summary["depths"]
+    if depths:
+        rows = [f"{d:g}%" for d in depths]
+        values = np.array([[np.nan if v is None else v for v in column] for column in summary["grid"]], float).T
+    else:
+        rows = ["random"]
+        by_length = summary["by_length"]
+        values = np.array([[np.nan if by_length.get(str(n)) is None else by_length[str(n)] for n in lengths]], float)
+    fig = Figure(figsize=(max(4.0, 1.0 + 0.9 * len(lengths)), max(2.5, 1.2 + 0.45 * len(rows))), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    cmap = LinearSegmentedColormap.from_list("niah", _COLOURS)
+    image = ax.imshow(100 * values, cmap=cmap, vmin=0, vmax=100, aspect="auto")
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            if not np.isnan(values[i, j]):
+                ax.text(j, i, f"{100 * values[i, j]:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel("context length")
+    ax.set_ylabel("needle depth")
+    ax.set_title(f"{summary['config'].get('target', '')}: {100 * (summary['accuracy'] or 0):.1f}% overall", fontsize=9)
+    fig.colorbar(image, ax=ax, label="accuracy (%)")
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,106 @@
+"""A `Target` for any OpenAI-compatible server with vLLM-style tokenizer routes.
+
+Text prompts go to `/v1/completions`, chat prompts (multimodal) to `/v1/chat/completions`, both
+greedy. Token-exact lengths need `POST /tokenize {"model", "prompt"}` -> `{"tokens", "count",
+"max_model_len"}` and `POST /detokenize {"model", "tokens"}` -> `{"prompt"}`, as vLLM serves them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from k3ray.evals.target import Prompt
+
+
+class EndpointError(RuntimeError):
+    """The server answered with an error, or lacks a route the eval needs."""
+
+
+class OpenAITarget:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        timeout: float = 3600.0,
+        *,
+        max_context: int | None = None,
+        add_special_tokens: bool = True,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        if not model:
+            raise ValueError("model must name the served model")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        root = base_url.rstrip("/")
+        self.root = root[: -len("/v1")] if root.endswith("/v1") else root
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+        self.max_context = max_context
+        # counts must match what /v1/completions feeds the model, BOS included
+        self.add_special_tokens = add_special_tokens
+        self.name = f"{model}@{self.root}"
+        self._client: httpx.Client | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the HTTP client holds sockets and locks; a copy in another process opens its own
+        return {**self.__dict__, "_client": None}
+
+    @property
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._client = httpx.Client(base_url=self.root, headers=headers, timeout=self.timeout)
+        return self._client
+
+    def _post(self, route: str, payload: dict[str, Any], *, tokenizer_route: bool = False) -> dict[str, Any]:
+        try:
+            response = self.client.post(route, json=payload)
+        except httpx.HTTPError as e:
+            raise EndpointError(f"POST {self.root}{route} failed: {type(e).__name__}: {e}") from e
+        if tokenizer_route and response.status_code in (404, 405):
+            raise EndpointError(
+                f"{self.root} has no {route} route (HTTP {response.status_code}); token-exact prompt lengths "
+                "need vLLM-style POST /tokenize and /detokenize (vLLM serves them by default)"
+            )
+        if response.status_code != 200:
+            raise EndpointError(f"POST {self.root}{route} returned HTTP {response.status_code}: {response.text[:500]}")
+        return response.json()
+
+    def _tokenize(self, text: str) -> dict[str, Any]:
+        body = self._post(
+            "/tokenize",
+            {"model": self.model, "prompt": text, "add_special_tokens": self.add_special_tokens},
+            tokenizer_route=True,
+        )
+        if "tokens" not in body:
+            raise EndpointError(f"{self.root}/tokenize answered without 'tokens': {str(body)[:200]}")
+        if self.max_context is None and body.get("max_model_len"):
+            self.max_context = int(body["max_model_len"])
+        return body
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenize(text)["tokens"])
+
+    def count_tokens(self, text: str) -> int:
+        body = self._tokenize(text)
+        return int(body.get("count", len(body["tokens"])))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        body = self._post("/detokenize", {"model": self.model, "tokens": list(ids)}, tokenizer_route=True)
+        if "prompt" not in body:
+            raise EndpointError(f"{self.root}/detokenize answered without 'prompt': {str(body)[:200]}")
+        return body["prompt"]
+
+    def complete(self, prompt: Prompt, max_tokens: int) -> str:
+        common = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0}
+        if isinstance(prompt, str):
+            body = self._post("/v1/completions", {**common, "prompt": prompt})
+            return body["choices"][0]["text"]
+        body = self._post("/v1/chat/completions", {**common, "messages": prompt})
+        return body["choices"][0]["message"]["content"] or ""

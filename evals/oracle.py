@@ -1,0 +1,88 @@
+"""Oracle targets that check the harness without a model: one always right, one always wrong.
+
+The right one answers like a perfect reader: each task ships a reader that finds the answer in
+the prompt itself (the needles, the assignment chain, the word counts, the card in the images),
+so a 100% score also proves every generated prompt holds its answer. The wrong one gives the same
+answer with every digit and letter changed, which must score 0.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+from k3ray.evals.target import Prompt
+
+_DIGITS = str.maketrans("0123456789", "5678901234")
+
+
+class _Utf8Bytes:
+    """Byte-level fallback while k3ray.tokenizer is unavailable: one token per UTF-8 byte."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def default_tokenizer():
+    try:
+        from k3ray.tokenizer import ByteTokenizer
+    except ImportError:
+        return _Utf8Bytes()
+    return ByteTokenizer()
+
+
+def _rot13(text: str) -> str:
+    return re.sub(
+        r"[A-Za-z]",
+        lambda m: chr((ord(m.group()) - (base := 65 if m.group() < "a" else 97) + 13) % 26 + base),
+        text,
+    )
+
+
+def corrupt(answer: str) -> str:
+    """The same answer with every digit shifted by five and every letter rotated by 13."""
+    wrong = _rot13(answer.translate(_DIGITS))
+    for part in re.split(r"[,\s]+", answer):
+        assert not part or part.lower() not in wrong.lower(), f"corrupted answer {wrong!r} still holds {part!r}"
+    return wrong
+
+
+class OracleTarget:
+    """A `Target` that reads each prompt's answer; `wrong=True` makes every answer wrong."""
+
+    def __init__(
+        self,
+        *,
+        wrong: bool = False,
+        tokenizer=None,
+        readers: Sequence[Callable[[Prompt], str | None]] | None = None,
+        max_context: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        from k3ray.evals.tasks import READERS
+
+        self.wrong = wrong
+        self.tokenizer = default_tokenizer() if tokenizer is None else tokenizer
+        self.readers = tuple(READERS if readers is None else readers)
+        self.max_context = max_context
+        self.name = name or ("oracle-wrong" if wrong else "oracle-right")
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def read(self, prompt: Prompt) -> str:
+        for reader in self.readers:
+            answer = reader(prompt)
+            if answer is not None:
+                return answer
+        raise ValueError("no task reader recognises this prompt")
+
+    def complete(self, prompt: Prompt, max_tokens: int) -> str:
+        answer = self.read(prompt)
+        return " " + (corrupt(answer) if self.wrong else answer)

@@ -1,0 +1,36 @@
+"""What an eval talks to: anything that tokenizes like the model and completes a prompt.
+
+A prompt is either plain text (sent to a completions route) or a list of OpenAI chat messages
+(sent to a chat route; multimodal prompts carry `image_url` / `video_url` parts with data: URLs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+Prompt = str | list[dict[str, Any]]
+
+
+@runtime_checkable
+class Target(Protocol):
+    """A model endpoint or engine under evaluation.
+
+    `tokenize` must count exactly what the model sees for a text prompt (special tokens the
+    completions route adds included), so prompt lengths can be made token-exact.
+    """
+
+    name: str
+    max_context: int | None
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+    def complete(self, prompt: Prompt, max_tokens: int) -> str: ...
+
+
+def count_tokens(target: Target, text: str) -> int:
+    """Token count of `text` for `target`, through a cheaper `count_tokens` method when it has one."""
+    counter = getattr(target, "count_tokens", None)
+    return counter(text) if counter is not None else len(target.tokenize(text))

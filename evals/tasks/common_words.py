@@ -1,0 +1,94 @@
+"""RULER-style common-words extraction (cwe): find the words a long numbered list repeats most.
+
+Ten words appear `freq_common` times each (30, fewer for short lengths), the rest `freq_uncommon`
+times (3), shuffled. A tail of made-up words that appear once fills the list to the exact token
+length without changing the answer.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from k3ray.evals import haystack as hs
+from k3ray.evals import words
+from k3ray.evals.target import Prompt
+from k3ray.evals.tasks.base import Cell, Layout, TextTask
+
+_QUESTION = re.compile(r"What are the (\d+) most common words in the list above\?")
+_ITEM = re.compile(r"^\d+\. (\S+)$", re.M)
+# share of the token budget left to the once-only tail, which absorbs the estimate's error
+_TAIL_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class CommonWords(TextTask):
+    name: str = "cwe"
+    num_common: int = 10
+    freq_common: int = 30
+    freq_uncommon: int = 3
+    max_tokens: int = 120
+    uses_depth = False
+
+    def _core(self, rng: random.Random, num_items: int, length: int) -> tuple[list[str], list[str]]:
+        freq = min(self.freq_common, num_items // (2 * self.num_common))
+        if freq <= self.freq_uncommon + 1:
+            raise ValueError(f"length {length} is too short for common-words extraction (room for {num_items} items)")
+        num_uncommon = (num_items - self.num_common * freq) // self.freq_uncommon
+        vocab = words.distinct_words(rng, self.num_common + num_uncommon)
+        common = vocab[: self.num_common]
+        listed = common * freq + vocab[self.num_common :] * self.freq_uncommon
+        rng.shuffle(listed)
+        return common, listed
+
+    def layout(self, rng: random.Random, cell: Cell, count: Callable[[str], int], budget: int) -> Layout:
+        head = "Below is a numbered list of words. Some words appear more often than others: remember which.\n"
+        tail = (
+            f"\nQuestion: What are the {self.num_common} most common words in the list above?"
+            f" Answer: The {self.num_common} most common words in the list above are:"
+        )
+        fixed = count(head + tail)
+        sample = "".join(f"\n{1000 + i}. {w}" for i, w in enumerate(words.distinct_words(random.Random(0), 64)))
+        per_item = count(sample) / 64
+        num_items = int((budget - fixed) * (1 - _TAIL_SHARE) / per_item)
+        core_seed, tail_seed = rng.getrandbits(64), rng.getrandbits(64)
+        for _ in range(8):
+            common, listed = self._core(random.Random(core_seed), num_items, cell.length)
+            core = head.rstrip("\n") + "".join(f"\n{i}. {w}" for i, w in enumerate(listed, 1))
+            used = count(core + tail)
+            if used < budget:
+                break
+            num_items = int(num_items * (budget - fixed) / (used - fixed) * (1 - _TAIL_SHARE))
+        else:
+            raise ValueError(f"could not fit a common-words list into {budget} tokens")
+        filler = hs.StreamedText(_once_only_items(random.Random(tail_seed), len(listed) + 1))
+
+        def render(n: int) -> str:
+            return core + filler.prefix(n) + tail
+
+        return Layout(render, tuple(common))
+
+
+def _once_only_items(rng: random.Random, start: int) -> Iterator[str]:
+    index = start
+    while True:
+        # four syllables: never one of the listed (real or three-syllable) words
+        yield f"\n{index}. {words.made_up_word(rng, 4)}"
+        index += 1
+
+
+def read(prompt: Prompt) -> str | None:
+    """Count the listed words and name the most frequent ones."""
+    if not isinstance(prompt, str):
+        return None
+    question = _QUESTION.search(prompt)
+    if question is None:
+        return None
+    counts = Counter(_ITEM.findall(prompt[: question.start()]))
+    return ", ".join(word for word, _ in counts.most_common(int(question.group(1))))
+
+
+TASKS = (CommonWords(),)

@@ -1,0 +1,83 @@
+"""RULER-style frequent-words extraction (fwe): the three most frequent coded words in a text.
+
+Coded words (random lowercase strings) appear with Zipf counts (rank r about r^-alpha), shuffled;
+a tail of dots, which the prompt says to ignore, fills the text to the exact token length.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from k3ray.evals import haystack as hs
+from k3ray.evals import words
+from k3ray.evals.target import Prompt
+from k3ray.evals.tasks.base import Cell, Layout, TextTask
+
+_QUESTION = re.compile(r"What are the (\d+) most frequent coded words in the text above\?")
+_TAIL_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class FrequentWords(TextTask):
+    name: str = "fwe"
+    alpha: float = 2.0
+    num_answers: int = 3
+    max_tokens: int = 50
+    uses_depth = False
+
+    def _core(self, rng: random.Random, num_words: int, length: int) -> tuple[list[str], list[str]]:
+        harmonic = sum(r**-self.alpha for r in range(1, 10_000))
+        vocab_size = max(self.num_answers + 1, int((num_words / harmonic) ** (1 / self.alpha)))
+        counts = [int(num_words * r**-self.alpha / harmonic) for r in range(1, vocab_size + 1)]
+        top = counts[: self.num_answers + 1]
+        if any(a <= b for a, b in zip(top, top[1:], strict=False)):
+            raise ValueError(f"length {length} is too short for frequent-words extraction ({num_words} words)")
+        vocab = words.coded_words(rng, vocab_size)
+        text = [w for w, c in zip(vocab, counts, strict=True) for _ in range(c)]
+        rng.shuffle(text)
+        return vocab[: self.num_answers], text
+
+    def layout(self, rng: random.Random, cell: Cell, count: Callable[[str], int], budget: int) -> Layout:
+        head = "Read the coded text below and keep count of how often each coded word occurs. Ignore the dots.\n"
+        tail = (
+            f"\nQuestion: What are the {self.num_answers} most frequent coded words in the text above?"
+            f" Do not explain. Answer: The {self.num_answers} most frequent coded words in the text above are:"
+        )
+        fixed = count(head + tail)
+        per_word = count(" ".join(words.coded_words(random.Random(0), 64))) / 64
+        num_words = int((budget - fixed) * (1 - _TAIL_SHARE) / per_word)
+        core_seed = rng.getrandbits(64)
+        for _ in range(8):
+            answers, text = self._core(random.Random(core_seed), num_words, cell.length)
+            core = head + " ".join(text)
+            used = count(core + tail)
+            if used < budget:
+                break
+            num_words = int(num_words * (budget - fixed) / (used - fixed) * (1 - _TAIL_SHARE))
+        else:
+            raise ValueError(f"could not fit a coded text into {budget} tokens")
+        dots = hs.CycledText(" ....")
+
+        def render(n: int) -> str:
+            return core + dots.prefix(n) + tail
+
+        return Layout(render, tuple(answers))
+
+
+def read(prompt: Prompt) -> str | None:
+    """Count the coded words (dots ignored) and name the most frequent ones."""
+    if not isinstance(prompt, str):
+        return None
+    question = _QUESTION.search(prompt)
+    if question is None:
+        return None
+    body = prompt[prompt.index("\n") + 1 : question.start()]
+    counts = Counter(w for w in body.split() if w.isalpha() and w.islower())
+    return ", ".join(word for word, _ in counts.most_common(int(question.group(1))))
+
+
+TASKS = (FrequentWords(),)

@@ -1,0 +1,98 @@
+"""Multimodal needles: a code card among N images, or on one frame of an N-frame video.
+
+The cell's length is the number of images (frames) and its depth places the needle among them.
+Prompts are OpenAI chat messages; images travel as PNG data: URLs in `image_url` parts. A video
+travels either as its frames (`image_url` parts, as lmms-eval sends video to OpenAI-style servers)
+or as one `video_url` part holding a lossless animated GIF.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from k3ray.evals.target import Prompt, Target
+from k3ray.evals.tasks import images
+from k3ray.evals.tasks.base import Cell, Item, Task, cell_rng, pick_depth
+
+VIDEO_FORMATS = ("frames", "gif")
+_QUESTION = "What is the code on the white card? Answer with the digits only."
+
+
+def _text(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _image(img) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": images.png_data_url(img)}}
+
+
+def _code_and_index(rng, cell: Cell) -> tuple[str, int, float]:
+    if cell.length < 1:
+        raise ValueError(f"a multimodal needle needs at least one image, got length {cell.length}")
+    depth = pick_depth(rng, cell)
+    code = "".join(rng.choice("0123456789") for _ in range(images.CODE_LENGTH))
+    return code, round(depth / 100 * (cell.length - 1)), depth
+
+
+@dataclass(frozen=True)
+class ImageNeedle(Task):
+    name: str = "image_niah"
+    max_tokens: int = 16
+    unit = "images"
+
+    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False) -> Item:
+        rng = cell_rng(seed, cell)
+        code, index, depth = _code_and_index(rng, cell)
+        pictures = [images.scene(rng) for _ in range(cell.length)]
+        pictures[index] = images.with_card(pictures[index], code)
+        content = [_text(f"Here are {cell.length} images. One of them shows a white card with a code of digits.")]
+        content += [_image(p) for p in pictures]
+        content.append(_text(_QUESTION))
+        return Item([{"role": "user", "content": content}], (code,), "all", self.max_tokens, None, depth)
+
+
+@dataclass(frozen=True)
+class VideoNeedle(Task):
+    name: str = "video_niah"
+    video_format: str = "frames"
+    max_tokens: int = 16
+    unit = "frames"
+
+    def __post_init__(self) -> None:
+        if self.video_format not in VIDEO_FORMATS:
+            raise ValueError(f"video_format must be one of {VIDEO_FORMATS}, got {self.video_format!r}")
+
+    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False) -> Item:
+        rng = cell_rng(seed, cell)
+        code, index, depth = _code_and_index(rng, cell)
+        frames = images.moving_frames(rng, cell.length)
+        frames[index] = images.with_card(frames[index], code)
+        intro = f"Here is a video of {cell.length} frames. One frame shows a white card with a code of digits."
+        content = [_text(intro)]
+        if self.video_format == "gif":
+            content.append({"type": "video_url", "video_url": {"url": images.gif_data_url(frames)}})
+        else:
+            content += [_image(f) for f in frames]
+        content.append(_text(_QUESTION))
+        return Item([{"role": "user", "content": content}], (code,), "all", self.max_tokens, None, depth)
+
+
+def read(prompt: Prompt) -> str | None:
+    """Look at every image and frame in chat messages and read the first card found."""
+    if isinstance(prompt, str):
+        return None
+    for message in prompt:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type")
+            if kind not in ("image_url", "video_url"):
+                continue
+            for frame in images.decode_data_url(part[kind]["url"]):
+                code = images.read_code(frame)
+                if code is not None:
+                    return code
+    return None
+
+
+TASKS = (ImageNeedle(), VideoNeedle(), VideoNeedle("video_niah_gif", video_format="gif"))

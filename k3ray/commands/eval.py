@@ -1,0 +1,127 @@
+"""`k3ray eval niah|ruler|mm`: long-context and multimodal needle evals against an OpenAI-style endpoint.
+
+Writes OUT/results.jsonl (one record per cell; --resume skips finished cells), OUT/summary.json,
+OUT/heatmap.png, OUT/report.md and OUT/report.html. `--oracle right|wrong` replaces the endpoint
+with a built-in reader that answers everything right (or wrong), to check the harness offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SUITE_HELP = {
+    "niah": "needle in a haystack over a context-length x needle-depth grid (gkamradt style)",
+    "ruler": "RULER-style synthetic tasks: niah variants, variable tracking, common and frequent words",
+    "mm": "multimodal needles: a code card among N images or on one of N video frames",
+}
+DEFAULT_LENGTHS = {"niah": "4k,8k,16k,32k", "ruler": "4k", "mm": "4,16"}
+DEFAULT_DEPTHS = {"niah": ",".join(str(d) for d in range(0, 101, 10)), "ruler": "", "mm": "0,50,100"}
+_SUFFIXES = {"k": 1 << 10, "m": 1 << 20}
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """"1k,4k,1m" -> (1024, 4096, 1048576); plain integers pass through."""
+    lengths = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        scale = _SUFFIXES.get(part[-1], 1)
+        digits = part[:-1] if part[-1] in _SUFFIXES else part
+        if not digits.isdigit() or int(digits) < 1:
+            raise ValueError(f"--lengths entries look like 4096, 4k or 1m, got {part!r}")
+        lengths.append(int(digits) * scale)
+    if not lengths:
+        raise ValueError(f"--lengths names no length: {text!r}")
+    return tuple(lengths)
+
+
+def parse_depths(text: str) -> tuple[float, ...]:
+    """"0,50,100" -> (0.0, 50.0, 100.0); empty means a random depth per cell."""
+    depths = []
+    for part in filter(None, (p.strip().rstrip("%") for p in text.split(","))):
+        try:
+            depth = float(part)
+        except ValueError:
+            raise ValueError(f"--depths entries are percentages like 0, 50, 100, got {part!r}") from None
+        if not 0 <= depth <= 100:
+            raise ValueError(f"--depths entries must be in [0, 100], got {depth:g}")
+        depths.append(depth)
+    return tuple(depths)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k3ray.evals.runner import EXECUTORS
+    from k3ray.evals.tasks import SUITES, TASKS
+
+    suites = parser.add_subparsers(dest="suite", required=True)
+    for suite, help_text in SUITE_HELP.items():
+        p = suites.add_parser(suite, help=help_text, description=help_text)
+        where = p.add_mutually_exclusive_group(required=True)
+        where.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+        where.add_argument("--oracle", choices=("right", "wrong"),
+                           help="no server: a built-in always-right/wrong target")
+        p.add_argument("--model", help="served model name (required with --endpoint)")
+        p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                       help="bearer token (default $OPENAI_API_KEY)")
+        p.add_argument("--task", action="append", default=[],
+                       help=f"task(s), comma-separated (default: {','.join(SUITES[suite])}); known: {', '.join(TASKS)}")
+        p.add_argument("--task-file", action="append", default=[], help="a JSONL file of items to run as one more task")
+        p.add_argument("--lengths", default=DEFAULT_LENGTHS[suite],
+                       help="prompt lengths in tokens (k = 1024, m = 1048576), or image/frame counts for mm")
+        p.add_argument("--depths", default=DEFAULT_DEPTHS[suite],
+                       help="needle depths in percent; empty = random per cell")
+        p.add_argument("--samples", type=int, default=1, help="items per length x depth cell")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--out", required=True, help="output directory")
+        p.add_argument("--concurrency", type=int, default=4, help="cells in flight at once")
+        p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished cells")
+        p.add_argument("--timeout", type=float, default=3600.0, help="seconds per HTTP request")
+        p.add_argument("--haystack", help="JSONL (text field) or .txt file replacing the bundled public-domain corpus")
+        p.add_argument("--reserve-generation", action="store_true",
+                       help="a length counts the generated tokens too (RULER's convention), so 1m fits a 1m context")
+        p.add_argument("--executor", choices=EXECUTORS, default="auto",
+                       help="threads, or Ray tasks (auto: Ray when RAY_ADDRESS is set or Ray is initialised)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _target(args: argparse.Namespace):
+    if args.oracle is not None:
+        from k3ray.evals.oracle import OracleTarget
+
+        return OracleTarget(wrong=args.oracle == "wrong")
+    if not args.model:
+        raise ValueError("--model is required with --endpoint")
+    from k3ray.evals.openai_target import OpenAITarget
+
+    return OpenAITarget(args.endpoint, args.model, api_key=args.api_key, timeout=args.timeout)
+
+
+def main(args: argparse.Namespace) -> int:
+    from k3ray.evals.openai_target import EndpointError
+    from k3ray.evals.runner import RunConfig, run_eval
+    from k3ray.evals.tasks import SUITES
+
+    tasks = tuple(t.strip() for spec in args.task for t in spec.split(",") if t.strip())
+    if not tasks and not args.task_file:
+        tasks = SUITES[args.suite]
+    config = RunConfig(
+        tasks=tasks,
+        lengths=parse_lengths(args.lengths),
+        depths=parse_depths(args.depths),
+        samples=args.samples,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        reserve_generation=args.reserve_generation,
+        haystack=args.haystack,
+        task_files=tuple(args.task_file),
+        executor=args.executor,
+    )
+    try:
+        summary = run_eval(config, _target(args), args.out, resume=args.resume, progress=not args.no_progress)
+    except EndpointError as e:
+        print(f"k3ray eval: error: {e}", file=sys.stderr)
+        return 2
+    accuracy = "-" if summary["accuracy"] is None else f"{100 * summary['accuracy']:.1f}%"
+    failed = f"{summary['errors']} failed" + (" (errors in results.jsonl)" if summary["errors"] else "")
+    print(f"accuracy {accuracy} over {summary['n']} cells, {failed}; report in {args.out}")
+    return 0 if summary["errors"] == 0 else 1
