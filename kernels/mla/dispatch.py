@@ -1,10 +1,11 @@
-"""MLA attention entry points (NoPE, one shared latent KV head of width L + R)."""
+"""MLA attention entry points (NoPE, one shared latent KV head of width L + R): Triton on CUDA
+tensors, the vectorised PyTorch path on CPU tensors. The references are in naive.py."""
 
 from __future__ import annotations
 
 import torch
 
-from k3ray.kernels.mla.naive import naive_mla_attention, naive_paged_mla_decode
+from k3ray.kernels.mla.cpu import mla_decode_cpu, mla_prefill_cpu
 
 
 def mla_prefill(
@@ -17,12 +18,21 @@ def mla_prefill(
 ) -> torch.Tensor:
     """Causal attention per sequence on expanded K/V: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]
     packed; each sequence's queries are the last positions of its keys -> o [Tq, H, Dv]."""
-    o = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    for i in range(cu_seqlens_q.numel() - 1):
-        qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
-        ks, ke = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
-        o[qs:qe] = naive_mla_attention(q[qs:qe], k[ks:ke], v[ks:ke], scale)
-    return o
+    if q.dim() != 3 or k.shape[1:] != q.shape[1:] or v.dim() != 3 or v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"expected q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv]; got q {list(q.shape)}, "
+            f"k {list(k.shape)}, v {list(v.shape)}"
+        )
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must both be [N + 1]; got {list(cu_seqlens_q.shape)} "
+            f"and {list(cu_seqlens_k.shape)}"
+        )
+    if q.is_cuda:
+        from k3ray.kernels.mla.prefill import mla_prefill_triton
+
+        return mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    return mla_prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
 
 
 def mla_decode(
@@ -35,4 +45,23 @@ def mla_decode(
     scale: float,
 ) -> torch.Tensor:
     """Absorbed decode: q_latent [N, H, L + R] over the paged cache [slots, L + R] -> [N, H, L]."""
-    return naive_paged_mla_decode(q_latent, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
+    if q_latent.dim() != 3 or cache.dim() != 2 or cache.shape[-1] != q_latent.shape[-1]:
+        raise ValueError(
+            f"expected q_latent [N, H, L + R] and cache [slots, L + R]; got {list(q_latent.shape)} "
+            f"and {list(cache.shape)}"
+        )
+    if not 0 < kv_lora_rank <= q_latent.shape[-1]:
+        raise ValueError(f"kv_lora_rank must be in (0, {q_latent.shape[-1]}], got {kv_lora_rank}")
+    N = q_latent.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != N or context_lens.shape != (N,):
+        raise ValueError(
+            f"expected block_tables [{N}, B] and context_lens [{N}]; got {list(block_tables.shape)} "
+            f"and {list(context_lens.shape)}"
+        )
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if q_latent.is_cuda:
+        from k3ray.kernels.mla.decode import mla_decode_triton
+
+        return mla_decode_triton(q_latent, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
+    return mla_decode_cpu(q_latent, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)

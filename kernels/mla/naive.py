@@ -10,6 +10,14 @@ from __future__ import annotations
 import torch
 
 
+def _acc(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """fp32 math for fp32 / bf16 / fp16 inputs; float64 inputs keep float64."""
+    dtype = torch.float32
+    for t in ts:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return [t.to(dtype) for t in ts]
+
+
 def _causal_mask(Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
     q_pos = torch.arange(Tk - Tq, Tk, device=device)[:, None]
     return torch.arange(Tk, device=device)[None, :] <= q_pos  # [Tq, Tk]
@@ -18,11 +26,12 @@ def _causal_mask(Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
 def naive_mla_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] -> o [Tq, H, Dv]; softmax in fp32."""
-    s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    """q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] -> o [Tq, H, Dv]; softmax in fp32 (fp64 for fp64)."""
+    q32, k32, v32 = _acc(q, k, v)
+    s = torch.einsum("qhd,khd->hqk", q32, k32) * scale
     s = s.masked_fill(~_causal_mask(q.shape[0], k.shape[0], q.device), float("-inf"))
     p = s.softmax(-1)
-    return torch.einsum("hqk,khd->qhd", p, v.float()).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", p, v32).to(q.dtype)
 
 
 def absorbed_mla_attention(
@@ -30,10 +39,11 @@ def absorbed_mla_attention(
 ) -> torch.Tensor:
     """MQA over the latent: q_latent [Tq, H, L + R] (q_nope W_UK | q_r), latent [Tk, L + R]
     -> o_latent [Tq, H, L] (values are the first L latent dims; W_UV is applied by the caller)."""
-    s = torch.einsum("qhd,kd->hqk", q_latent.float(), latent.float()) * scale
+    q32, lat32 = _acc(q_latent, latent)
+    s = torch.einsum("qhd,kd->hqk", q32, lat32) * scale
     s = s.masked_fill(~_causal_mask(q_latent.shape[0], latent.shape[0], latent.device), float("-inf"))
     p = s.softmax(-1)
-    return torch.einsum("hqk,kd->qhd", p, latent[:, :kv_lora_rank].float()).to(q_latent.dtype)
+    return torch.einsum("hqk,kd->qhd", p, lat32[:, :kv_lora_rank]).to(q_latent.dtype)
 
 
 def gather_latent(

@@ -110,7 +110,8 @@ IMPLS = {
 def test_paper_form_agrees(impl):
     sources, proj, res_w, _ = _inputs(7, 9, 200, torch.float32)
     # fp32 arithmetic against an fp64 evaluation of the paper's formula
-    assert_close("paper form", _paper_block_attn_res(sources, proj, res_w, EPS), IMPLS[impl](sources, proj, res_w, EPS), TOL_FP32)
+    expected = _paper_block_attn_res(sources, proj, res_w, EPS)
+    assert_close("paper form", expected, IMPLS[impl](sources, proj, res_w, EPS), TOL_FP32)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

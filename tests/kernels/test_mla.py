@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3ray.kernels.mla import mla_decode, mla_prefill
-from k3ray.kernels.mla.cpu import mla_decode_cpu, mla_prefill_cpu
+from k3ray.kernels.mla.cpu import mla_decode_cpu, mla_prefill_cpu, prefill_groups
 from k3ray.kernels.mla.decode import mla_decode_triton
 from k3ray.kernels.mla.naive import naive_mla_attention, naive_paged_mla_decode
 from k3ray.kernels.mla.prefill import mla_prefill_triton
@@ -115,7 +115,8 @@ def test_decode_dispatch_uses_cpu_path_on_cpu():
     H, L, R, bs = 4, 16, 8, 4
     cache, table, lens = _paged_cache([3, 9], L + R, bs, torch.float32)
     q = torch.randn(2, H, L + R)
-    assert torch.equal(mla_decode(q, cache, table, lens, bs, L, 0.25), mla_decode_cpu(q, cache, table, lens, bs, L, 0.25))
+    expected = mla_decode_cpu(q, cache, table, lens, bs, L, 0.25)
+    assert torch.equal(mla_decode(q, cache, table, lens, bs, L, 0.25), expected)
 
 
 def test_decode_rejects_bad_arguments():
@@ -132,13 +133,17 @@ def test_decode_rejects_bad_arguments():
 
 
 # prefill ----------------------------------------------------------------------------------------
-PREFILL_LENS = [([5, 1, 70, 3], [9, 1, 75, 40])]  # (query lens, key lens): fresh, cached-prefix, multi-tile
+PREFILL_LENS = {  # (query lens, key lens)
+    "prompts": ([5, 1, 70, 3], [9, 1, 75, 40]),  # fresh, cached-prefix, multi-tile
+    "mixed": ([1, 0, 9, 1, 1, 33], [30, 4, 9, 2, 61, 33]),  # decode-like rows, an empty one, prompts
+}
 
 
+@pytest.mark.parametrize("lens", PREFILL_LENS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dqk,dv", [(27, 13), (16, 16)], ids=["dqk27_dv13", "dqk16_dv16"])
-def test_prefill_triton_matches_naive(dtype, dqk, dv, nan_empty):
-    q_lens, k_lens = PREFILL_LENS[0]
+def test_prefill_triton_matches_naive(dtype, dqk, dv, lens, nan_empty):
+    q_lens, k_lens = PREFILL_LENS[lens]
     q, k, v, cu_q, cu_k = _varlen(q_lens, k_lens, 3, dqk, dv, dtype)
     ref = _naive_prefill(q, k, v, cu_q, cu_k, 0.2)
     out = torch.full((q.shape[0], 3, dv), float("nan"), dtype=dtype)
@@ -147,13 +152,20 @@ def test_prefill_triton_matches_naive(dtype, dqk, dv, nan_empty):
     assert_close("prefill triton", ref, got, _tol(dtype))
 
 
+@pytest.mark.parametrize("lens", PREFILL_LENS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_cpu_matches_naive(dtype):
-    q_lens, k_lens = PREFILL_LENS[0]
+def test_prefill_cpu_matches_naive(dtype, lens):
+    q_lens, k_lens = PREFILL_LENS[lens]
     q, k, v, cu_q, cu_k = _varlen(q_lens, k_lens, 3, 27, 13, dtype)
     got = mla_prefill_cpu(q, k, v, cu_q, cu_k, 0.2)
     assert got.dtype == dtype
     assert_close("prefill cpu", _naive_prefill(q, k, v, cu_q, cu_k, 0.2), got, _tol(dtype))
+
+
+def test_prefill_cpu_groups_bound_the_padding():
+    assert prefill_groups([64, 64, 64], [64, 64, 64]) == [[0, 1, 2]]  # equal prompts: one batch
+    groups = prefill_groups([1, 500, 1, 1], [900, 500, 1000, 800])
+    assert sorted(map(sorted, groups)) == [[0, 2, 3], [1]]  # decode-like rows apart from the prompt
 
 
 def test_prefill_dispatch_uses_cpu_path_on_cpu():

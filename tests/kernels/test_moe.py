@@ -11,7 +11,7 @@ from k3ray.kernels.moe.cpu import moe_experts_cpu
 from k3ray.kernels.moe.experts import moe_experts_triton
 from k3ray.kernels.moe.mxfp4 import GROUP
 from k3ray.kernels.moe.naive import naive_moe_experts, naive_route
-from k3ray.kernels.moe.route import route_triton
+from k3ray.kernels.moe.routing import route_triton
 from k3ray.testing import assert_close
 
 BETA, LINEAR_BETA = 4.0, 25.0

@@ -10,7 +10,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkR
 
 from k3ray.kernels.moe import route
 from k3ray.kernels.moe.naive import naive_route
-from k3ray.kernels.moe.route import route_triton
+from k3ray.kernels.moe.routing import route_triton
 from k3ray.testing import assert_close
 
 HIDDEN, EXPERTS, TOP_K = 24, 37, 5

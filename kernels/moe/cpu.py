@@ -1,0 +1,46 @@
+"""CPU grouped expert computation: one sort groups the (token, slot) pairs by expert, each used
+expert's weights are dequantised once and applied to its rows as plain GEMMs, and one
+index_add combines the weighted outputs (in the same order as the reference loop)."""
+
+from __future__ import annotations
+
+import torch
+
+from k3ray.kernels.moe.naive import expert_weight, situ_glu
+
+
+def _num_experts(w) -> int:
+    return (w[0] if isinstance(w, tuple) else w).shape[0]
+
+
+def moe_experts_cpu(
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w1, w3, w2,
+    beta: float,
+    linear_beta: float,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """y [T, Dl] fp32 = sum_k weights[:, k] * E_{ids[:, k]}(h) over experts [expert_offset,
+    expert_offset + E_local); w1, w3 [E, I, Dl], w2 [E, Dl, I], each dense or an MXFP4 pair."""
+    T, top_k = ids.shape
+    E = _num_experts(w1)
+    local = ids.reshape(-1).long() - expert_offset  # [T * k]
+    held = ((local >= 0) & (local < E)).nonzero().squeeze(1)
+    order = torch.argsort(local[held], stable=True)
+    pairs = held[order]  # pair indices grouped by expert, token order inside a group
+    counts = torch.bincount(local[pairs], minlength=E).tolist()
+    tok = pairs // top_k
+    x = h[tok]  # [P, Dl]
+    out = torch.empty(pairs.numel(), h.shape[1], dtype=torch.float32)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        xe = x[start : start + n]
+        a = situ_glu(xe @ expert_weight(w1, e, h.dtype).T, xe @ expert_weight(w3, e, h.dtype).T, beta, linear_beta)
+        out[start : start + n] = a @ expert_weight(w2, e, h.dtype).T
+        start += n
+    out *= weights.reshape(-1)[pairs, None].float()
+    return torch.zeros(T, h.shape[1], dtype=torch.float32).index_add_(0, tok, out)
