@@ -40,9 +40,17 @@ class VisionConfig:
     text_hidden_size: int = 7168
     projector_ln_eps: float = 1e-5
 
+    def __post_init__(self) -> None:
+        _validate_vision(self)
+
     @property
     def head_dim(self) -> int:
         return self.qkv_hidden_size // self.num_heads
+
+    @property
+    def merged_hidden_size(self) -> int:
+        """Width of one merged token: a kh x kw block of tower outputs, concatenated."""
+        return self.hidden_size * self.merge_kernel[0] * self.merge_kernel[1]
 
 
 @dataclass(frozen=True)
@@ -423,6 +431,30 @@ def _vision_to_hf(v: VisionConfig) -> dict[str, Any]:
     }
 
 
+def _validate_vision(v: VisionConfig) -> None:
+    for fname in (
+        "patch_size", "hidden_size", "num_layers", "num_heads", "qkv_hidden_size", "intermediate_size",
+        "pos_emb_height", "pos_emb_width", "pos_emb_time", "projector_hidden_size", "text_hidden_size",
+    ):
+        val = getattr(v, fname)
+        if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+            raise ValueError(f"vision_config.{fname} must be a positive int, got {val!r}")
+    if v.qkv_hidden_size % v.num_heads or v.head_dim % 4:
+        raise ValueError(
+            f"vision_config.qkv_hidden_size={v.qkv_hidden_size} must split into {v.num_heads} heads whose "
+            "size is a multiple of 4 (2D RoPE gives each head alternating x / y complex pairs)"
+        )
+    if len(v.merge_kernel) != 2 or min(v.merge_kernel) <= 0:
+        raise ValueError(f"vision_config.merge_kernel_size must be two positive ints, got {v.merge_kernel!r}")
+    if v.projector_hidden_size != v.merged_hidden_size:
+        raise ValueError(
+            f"vision projector input {v.projector_hidden_size} != hidden_size x merge kernel area "
+            f"({v.hidden_size} x {v.merge_kernel[0] * v.merge_kernel[1]})"
+        )
+    if not 0 < v.projector_ln_eps < 1:
+        raise ValueError(f"vision_config.projector_ln_eps must be in (0, 1), got {v.projector_ln_eps}")
+
+
 def _validate(c: ModelConfig) -> None:
     def positive(fname: str) -> None:
         val = getattr(c, fname)
@@ -496,7 +528,8 @@ def k3_config() -> ModelConfig:
 
 def k3_tiny_config() -> ModelConfig:
     """K3's structure at small widths: 2 x [KDA, KDA, KDA, MLA] + a final MLA, dense first FFN,
-    AttnRes blocks of 3 layers, an 8-expert top-2 latent MoE with shared expert, MXFP4 experts."""
+    AttnRes blocks of 3 layers, an 8-expert top-2 latent MoE with shared expert, MXFP4 experts, and a
+    2-block MoonViT3d tower (qkv width = hidden, head_dim 32, an 8x8 position grid)."""
     return ModelConfig(
         name="k3-tiny",
         hidden_size=64,
@@ -524,7 +557,18 @@ def k3_tiny_config() -> ModelConfig:
         eos_token_id=257,
         pad_token_id=511,
         media_placeholder_token_id=266,
-        vision=None,
+        vision=VisionConfig(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            qkv_hidden_size=64,
+            intermediate_size=128,
+            pos_emb_height=8,
+            pos_emb_width=8,
+            pos_emb_time=4,
+            projector_hidden_size=256,
+            text_hidden_size=64,
+        ),
     )
 
 

@@ -13,7 +13,7 @@ import torch
 
 from k3ray.config import k3_tiny_config
 
-DEFAULT_NAME = "k3-tiny-v1"  # bump when the tiny model's definition changes
+DEFAULT_NAME = "k3-tiny-v2"  # bump when the tiny model's definition changes
 DEFAULT_SEED = 0
 
 
@@ -22,14 +22,17 @@ def cache_root() -> str:
 
 
 def write_tiny_checkpoint(path: str, seed: int = DEFAULT_SEED, max_shard_bytes: int = 256 * 1024) -> str:
-    """Write the tiny K3 (random weights from `seed`, bf16 + published fp32 exceptions) to path."""
+    """Write the tiny K3 (random weights from `seed`, bf16 + published fp32 exceptions) with its
+    vision tower and projector to path."""
     from k3ray.models.init import build_model
     from k3ray.tokenizer import ByteTokenizer
+    from k3ray.vision.model import build_vision_model
     from k3ray.weights import save_checkpoint
 
     config = k3_tiny_config()
     model = build_model(config, torch.bfloat16, seed=seed)
-    save_checkpoint(model, path, max_shard_bytes=max_shard_bytes)
+    vision = build_vision_model(config.vision, torch.bfloat16, seed=seed)
+    save_checkpoint(model, path, max_shard_bytes=max_shard_bytes, vision=vision)
     ByteTokenizer(vocab_size=config.vocab_size).save_pretrained(path)
     return path
 
