@@ -1,0 +1,34 @@
+"""The serving engine: scheduler, caches, sampler, prefix cache, speculative decoding (Ray-free)."""
+
+from k3ray.engine.async_engine import AsyncEngine
+from k3ray.engine.cache_manager import CacheGeometry, CacheManager, size_cache
+from k3ray.engine.config import EngineConfig, SpeculativeConfig
+from k3ray.engine.executor import Executor, LocalExecutor
+from k3ray.engine.llm import LLM
+from k3ray.engine.llm_engine import LLMEngine
+from k3ray.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
+from k3ray.engine.stats import EngineStats
+from k3ray.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "BatchPlan",
+    "CacheGeometry",
+    "CacheManager",
+    "CompletionOutput",
+    "DraftPlan",
+    "EngineConfig",
+    "EngineStats",
+    "Executor",
+    "LLMEngine",
+    "LocalExecutor",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "SpeculativeConfig",
+    "StepPlan",
+    "size_cache",
+]

@@ -49,6 +49,13 @@ class ModelCache:
                 mla[l] = torch.zeros(num_blocks * block_size, config.mla_latent_dim, dtype=dtype, device=device)
         return cls(kda, conv, mla, block_size)
 
+    def copy_states(self, src_slots: torch.Tensor | list[int], dst_slots: torch.Tensor | list[int]) -> None:
+        """Copy the KDA and conv state of slot src_slots[i] into dst_slots[i] in every layer held
+        (prefix-cache snapshots and restores, speculative drafting). All reads happen before writes."""
+        src, dst = torch.as_tensor(src_slots).long(), torch.as_tensor(dst_slots).long()
+        for pool in (*self.kda_state.values(), *self.conv_state.values()):
+            pool[dst] = pool[src]
+
     def nbytes(self) -> dict[str, int]:
         def total(d: dict[int, torch.Tensor]) -> int:
             return sum(t.numel() * t.element_size() for t in d.values())

@@ -1,0 +1,178 @@
+"""`k3ray bench engine`: what the engine adds on top of the model, on a tiny K3 in this process.
+
+batching_speedup   generated tokens/s with `concurrency` requests in flight vs one at a time
+prefix_ttft_ratio  TTFT of a prompt sharing `prefix_shared` of its tokens with a cached one, over
+                   TTFT of an unrelated prompt of the same length (both on a warm engine)
+spec_speedup       plain over n-gram speculative wall time for repetitive text, and the draft
+                   acceptance rate (the random tiny model never repeats itself, so this section
+                   scales its attention outputs down until its greedy text loops: see config)
+long_prompt_*      one prompt through chunked prefill: seconds and the peak RSS while it ran
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from typing import Any
+
+import psutil
+import torch
+
+from k3ray.bench.common import machine
+from k3ray.config import preset
+from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
+from k3ray.models.init import build_model
+
+GIB = 1024**3
+PREFIX_REPEATS = 3  # medians over this many cold and warm prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="k3-tiny", help="model preset (random weights, seed 0)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--sequential", type=int, default=8, help="requests timed one at a time")
+    parser.add_argument("--batch-prompt-tokens", type=int, default=32)
+    parser.add_argument("--batch-max-tokens", type=int, default=32)
+    parser.add_argument("--prefix-prompt-tokens", type=int, default=2048)
+    parser.add_argument("--prefix-shared", type=float, default=0.9)
+    parser.add_argument("--snapshot-interval", type=int, default=16, help="blocks between state snapshots")
+    parser.add_argument("--spec-tokens", type=int, default=4)
+    parser.add_argument("--spec-max-tokens", type=int, default=64)
+    parser.add_argument("--spec-attn-scale", type=float, default=0.1)
+    parser.add_argument("--long-prompt-tokens", type=int, default=16384, help="e.g. 1048576 for 1M")
+    parser.add_argument("--long-chunk", type=int, default=512, help="prefill tokens per step")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["batching", "prefix", "spec", "long"])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result: dict[str, Any] = {}
+    model = build_model(preset(args.preset), seed=0)
+    if "batching" not in args.skip:
+        result.update(bench_batching(model, args))
+    if "prefix" not in args.skip:
+        result.update(bench_prefix(model, args))
+    if "spec" not in args.skip:
+        result.update(bench_spec(args))
+    if "long" not in args.skip:
+        result.update(bench_long_prompt(model, args))
+    result["machine"] = machine()
+    result["config"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"}
+    result["config"]["spec_model"] = (
+        f"{args.preset} with attention o_proj scaled by {args.spec_attn_scale} (greedy text loops)"
+    )
+    return result
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size) + 8
+
+
+def bench_batching(model, args) -> dict[str, Any]:
+    prompts = _prompts(args.concurrency, args.batch_prompt_tokens, 0)
+    per_seq = args.batch_prompt_tokens + args.batch_max_tokens
+    llm = LLM(model, max_num_seqs=args.concurrency, block_size=args.block_size,
+              num_blocks=args.concurrency * _blocks(per_seq, args.block_size), enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=args.batch_max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], params)  # warm-up
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    concurrent = args.concurrency * args.batch_max_tokens / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for p in prompts[: args.sequential]:
+        llm.generate([p], params)
+    sequential = args.sequential * args.batch_max_tokens / (time.perf_counter() - t0)
+    return {"batching_tokens_per_s": concurrent, "sequential_tokens_per_s": sequential,
+            "batching_speedup": concurrent / sequential}
+
+
+def bench_prefix(model, args) -> dict[str, Any]:
+    n, shared = args.prefix_prompt_tokens, int(args.prefix_prompt_tokens * args.prefix_shared)
+    stride = args.snapshot_interval * args.block_size
+    llm = LLM(model, max_num_seqs=4, block_size=args.block_size, num_blocks=8 * _blocks(n, args.block_size),
+              max_num_batched_tokens=n, snapshot_interval=args.snapshot_interval,
+              num_snapshot_slots=4 * (n // stride + 2))
+    params = SamplingParams(temperature=0, max_tokens=1)
+    prompts = _prompts(2 + 2 * PREFIX_REPEATS, n, 1)
+    base = prompts[1]
+    llm.generate([prompts[0]], params)  # warm-up
+    cold = [llm.generate([p], params)[0].metrics.ttft for p in prompts[2 : 2 + PREFIX_REPEATS]]
+    llm.generate([base], params)  # caches the shared prefix
+    hits = llm.get_stats().prefix_cache_hits
+    warm = [llm.generate([base[:shared] + t[shared:]], params)[0].metrics.ttft for t in prompts[2 + PREFIX_REPEATS :]]
+    cold_s, warm_s = statistics.median(cold), statistics.median(warm)
+    return {"prefix_ttft_cold_s": cold_s, "prefix_ttft_warm_s": warm_s, "prefix_ttft_ratio": warm_s / cold_s,
+            "prefix_hit_tokens": (llm.get_stats().prefix_cache_hits - hits) // PREFIX_REPEATS}
+
+
+def bench_spec(args) -> dict[str, Any]:
+    model = build_model(preset(args.preset), seed=0)
+    with torch.no_grad():
+        for layer in model.model.layers.values():
+            layer.self_attn.o_proj.weight.mul_(args.spec_attn_scale)
+    prompts = [[24, 423] * 3, list(b"the cat sat on the mat. the cat sat on the mat. the cat")]
+    params = SamplingParams(temperature=0, max_tokens=args.spec_max_tokens, ignore_eos=True)
+    common = dict(max_num_seqs=4, block_size=args.block_size, enable_prefix_caching=False,
+                  num_blocks=4 * _blocks(args.spec_max_tokens + 64, args.block_size))
+    plain = LLM(model, **common)
+    spec = LLM(model, speculative=SpeculativeConfig("ngram", args.spec_tokens), **common)
+    times = {}
+    for name, llm in (("plain", plain), ("spec", spec)):
+        llm.generate(prompts, params)  # warm-up
+        t0 = time.perf_counter()
+        outs = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        times[name] = time.perf_counter() - t0
+        times[name + "_tokens"] = outs
+    assert times["plain_tokens"] == times["spec_tokens"], "speculative greedy diverged from plain greedy"
+    stats = spec.get_stats()
+    return {"spec_speedup": times["plain"] / times["spec"], "spec_acceptance": stats.spec_acceptance_rate,
+            "spec_mean_accepted": stats.spec_mean_accepted}
+
+
+def bench_long_prompt(model, args) -> dict[str, Any]:
+    n = args.long_prompt_tokens
+    llm = LLM(model, max_num_seqs=1, block_size=args.block_size, num_blocks=_blocks(n + 2, args.block_size),
+              max_num_batched_tokens=args.long_chunk, enable_prefix_caching=False)
+    prompt = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(3)).tolist()
+    peak = _PeakRss()
+    with peak:
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+        seconds = time.perf_counter() - t0
+    assert len(out.outputs[0].token_ids) == 1
+    return {"long_prompt_tokens": n, "long_prompt_s": seconds, "long_prompt_tokens_per_s": n / seconds,
+            "long_prompt_peak_rss_gib": peak.max_rss / GIB,
+            "long_prompt_cache_gib": llm.get_stats().cache["bytes_total"] / GIB}
+
+
+class _PeakRss:
+    """Samples this process's RSS every 20 ms while the block runs."""
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+        self.max_rss = self.proc.memory_info().rss
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.max_rss = max(self.max_rss, self.proc.memory_info().rss)
+
+    def __enter__(self) -> "_PeakRss":
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.max_rss = max(self.max_rss, self.proc.memory_info().rss)

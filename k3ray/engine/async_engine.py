@@ -1,0 +1,126 @@
+"""Streaming front of the engine for servers: a background step loop and one async iterator per
+request.
+
+    engine = AsyncEngine(LLMEngine(LocalExecutor(model), EngineConfig()))
+    async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=32), "req-1"):
+        print(out.outputs[0].token_ids)      # cumulative; the last one has out.finished
+
+Engine steps run in a worker thread, so the event loop stays responsive; requests and aborts are
+queued and applied between steps (the engine itself is single-threaded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
+
+from k3ray.engine.llm_engine import LLMEngine
+from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.sequence import Request
+from k3ray.engine.stats import EngineStats
+from k3ray.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._pending: list[Request] = []
+        self._aborts: list[str] = []
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    async def generate(self, prompt: str | Seq[int], params: SamplingParams | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as tokens arrive, the last with finished=True. Raises ValueError before
+        the first output if the request cannot run; leaving the iteration early aborts it."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        request = self.engine.make_request(request_id, prompt, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._pending.append(request)
+        self._start()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (applied before the next step); its stream ends with finish_reason 'abort'."""
+        if request_id in self._streams:
+            self._aborts.append(request_id)
+            self._start()
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+            self._streams.pop(request_id).put_nowait(RuntimeError("the engine was shut down"))
+
+    # the loop ---------------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        self._wakeup.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _apply_queued(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        for request_id in aborts:
+            queued = next((r for r in self._pending if r.request_id == request_id), None)
+            if queued is not None:
+                self._pending.remove(queued)
+                self.engine.enqueue(queued)
+            final = self.engine.abort_request(request_id)
+            if final is not None:
+                self._deliver(final)
+        pending, self._pending = self._pending, []
+        for request in pending:
+            try:
+                self.engine.enqueue(request)
+            except ValueError as e:
+                self._streams.pop(request.request_id).put_nowait(e)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        queue = self._streams.get(out.request_id)
+        if queue is not None:
+            queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    async def _run(self) -> None:
+        while True:
+            self._apply_queued()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as e:  # the step was rolled back; fail every stream with the cause
+                for request_id in list(self._streams):
+                    self.engine.abort_request(request_id)
+                    self._streams.pop(request_id).put_nowait(e)
+                continue
+            for out in outputs:
+                self._deliver(out)
+            await asyncio.sleep(0)

@@ -1,0 +1,94 @@
+"""Engine settings: batching limits, cache sizing, prefix caching and speculative decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DEFAULT_CACHE_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Draft `num_speculative_tokens` tokens per step and verify them in one target forward.
+
+    method "ngram" looks the last [ngram_min, ngram_max] tokens up earlier in the sequence (prompt
+    lookup); "draft" runs a smaller K3-shaped model (the executor holds it) greedily.
+    """
+
+    method: Literal["ngram", "draft"] = "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"speculative method must be 'ngram' or 'draft', got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler and cache settings.
+
+    Cache size: explicit `num_blocks` / `num_state_slots`, or carved from `cache_memory_bytes` (state
+    slots first: one live slot per sequence, the speculative scratch slots, the snapshot slots; MLA
+    blocks get the rest). `max_model_len` defaults to what the model and the block pool allow.
+    Prefix caching snapshots the KDA / conv state every `snapshot_interval` blocks and at the last
+    block boundary of each prompt; prefill chunks end at those boundaries.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    num_state_slots: int | None = None
+    num_snapshot_slots: int | None = None
+    cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    snapshot_interval: int = 64
+    speculative: SpeculativeConfig | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "snapshot_interval"):
+            _positive(name, getattr(self, name))
+        for name in ("max_model_len", "num_blocks", "num_state_slots", "cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.num_snapshot_slots is not None and (
+            not isinstance(self.num_snapshot_slots, int) or self.num_snapshot_slots < 0
+        ):
+            raise ValueError(f"num_snapshot_slots must be an int >= 0, got {self.num_snapshot_slots!r}")
+        if self.num_blocks is not None and self.cache_memory_bytes is not None:
+            raise ValueError("give num_blocks or cache_memory_bytes, not both")
+        if self.max_num_batched_tokens < 1 + self.num_speculative_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one verification "
+                f"(1 + num_speculative_tokens = {1 + self.num_speculative_tokens} tokens)"
+            )
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def slots_per_seq(self) -> int:
+        """A live KDA / conv slot, plus one scratch slot per verified position when speculating."""
+        k = self.num_speculative_tokens
+        return 1 + (k + 1 if k else 0)
+
+    @property
+    def snapshot_slots(self) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        return self.max_num_seqs if self.num_snapshot_slots is None else self.num_snapshot_slots
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

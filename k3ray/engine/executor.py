@@ -1,0 +1,120 @@
+"""Executors run StepPlans on a model. `LocalExecutor` holds the model in this process; a Ray
+executor (k3ray.actors) implements the same four methods over pipeline-stage actors."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
+from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
+from k3ray.models.forward_batch import ForwardBatch, ModelCache
+from k3ray.models.k3 import K3ForCausalLM
+
+
+class Executor(ABC):
+    @abstractmethod
+    def cache_layout(self) -> CacheLayout:
+        """(config, cache dtype) of the target model, then of the draft model if there is one."""
+
+    @abstractmethod
+    def allocate_cache(self, geometry: CacheGeometry) -> None:
+        """Allocate the state-slot and MLA-block pools (every model shares the indices)."""
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Apply plan.pre_copies, run every batch (the draft model, if any, mirrors each batch that
+        is not a verification), apply plan.post_copies -> fp32 CPU logits [sum of num_logits, V]."""
+
+    @abstractmethod
+    def propose(self, plan: DraftPlan) -> torch.Tensor:
+        """Greedy drafts from the draft model -> int64 CPU [N, plan.num_drafts]."""
+
+    @property
+    def has_draft_model(self) -> bool:
+        return len(self.cache_layout()) > 1
+
+
+class LocalExecutor(Executor):
+    def __init__(self, model: K3ForCausalLM, draft_model: K3ForCausalLM | None = None) -> None:
+        if not (model.is_first and model.is_last):
+            raise ValueError(f"LocalExecutor needs a whole model; got layer_range {model.layer_range}")
+        if draft_model is not None:
+            if not (draft_model.is_first and draft_model.is_last):
+                raise ValueError("the draft model must be a whole model")
+            if draft_model.config.vocab_size != model.config.vocab_size:
+                raise ValueError(
+                    f"draft vocab_size {draft_model.config.vocab_size} != target vocab_size "
+                    f"{model.config.vocab_size}"
+                )
+        self.model = model.eval()
+        self.draft_model = None if draft_model is None else draft_model.eval()
+        self.device = next(model.parameters()).device
+        self.cache: ModelCache | None = None
+        self.draft_cache: ModelCache | None = None
+
+    def cache_layout(self) -> CacheLayout:
+        models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+        return [(m.config, m.dtype) for m in models]
+
+    def allocate_cache(self, geometry: CacheGeometry) -> None:
+        def alloc(m: K3ForCausalLM) -> ModelCache:
+            return ModelCache.allocate(m.config, geometry.num_state_slots, geometry.num_blocks,
+                                       geometry.block_size, m.dtype, self.device)
+
+        self.cache = alloc(self.model)
+        self.draft_cache = alloc(self.draft_model) if self.draft_model is not None else None
+
+    def _caches(self) -> list[ModelCache]:
+        assert self.cache is not None, "allocate_cache() first"
+        return [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src, dst = torch.tensor(pairs, device=self.device).T
+            for cache in self._caches():
+                cache.copy_states(src, dst)
+
+    def _batch(self, b: BatchPlan, cache: ModelCache) -> ForwardBatch:
+        d = self.device
+        spec = None if b.spec_state_slots is None else b.spec_state_slots.to(d)
+        return ForwardBatch(b.cu_seqlens.to(d), b.context_lens.to(d), b.state_slots.to(d),
+                            b.block_tables.to(d), cache, spec)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        self._copy(plan.pre_copies)
+        out = []
+        for b in plan.batches:
+            ids = b.input_ids.to(self.device)
+            logits = self.model(ids, self._batch(b, self.cache), b.logits_indices.to(self.device))
+            out.append(logits.float().cpu())
+            if self.draft_model is not None and b.spec_state_slots is None:
+                none = torch.zeros(0, dtype=torch.long, device=self.device)
+                self.draft_model(ids, self._batch(b, self.draft_cache), none)
+        self._copy(plan.post_copies)
+        if not out:
+            return torch.zeros(0, self.model.config.vocab_size)
+        return torch.cat(out)
+
+    @torch.inference_mode()
+    def propose(self, plan: DraftPlan) -> torch.Tensor:
+        assert self.draft_model is not None and self.draft_cache is not None, "no draft model"
+        d = self.device
+        n = plan.input_ids.numel()
+        cu = torch.arange(n + 1, device=d)
+        tables = plan.block_tables.to(d)
+        spec = plan.spec_state_slots.to(d)
+        src, tokens, drafts = plan.state_slots.to(d), plan.input_ids.to(d), []
+        for j in range(plan.num_drafts + 1):
+            # copy, then decode in place: the state after feed j lands in its own slot
+            self.draft_cache.copy_states(src, spec[:, j])
+            batch = ForwardBatch(cu, plan.context_lens.to(d) + j, spec[:, j], tables, self.draft_cache)
+            last = j == plan.num_drafts
+            logits = self.draft_model(tokens, batch, torch.zeros(0, dtype=torch.long, device=d) if last else None)
+            if not last:
+                tokens = logits.argmax(-1)
+                drafts.append(tokens)
+            src = spec[:, j]
+        return torch.stack(drafts, 1).cpu()

@@ -1,0 +1,264 @@
+"""The synchronous engine: requests in, one `step()` at a time, RequestOutputs out.
+
+    engine = LLMEngine(LocalExecutor(model), EngineConfig(max_num_seqs=8))
+    engine.add_request("r0", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import random
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from k3ray.engine.cache_manager import CacheManager, size_cache
+from k3ray.engine.config import EngineConfig
+from k3ray.engine.executor import Executor
+from k3ray.engine.output_processor import OutputProcessor
+from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.sampler import logprob_entries, sample
+from k3ray.engine.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
+from k3ray.engine.sequence import Request, Sequence
+from k3ray.engine.spec import NgramProposer, verify
+from k3ray.engine.stats import EngineStats, StatsCollector
+from k3ray.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, executor: Executor, config: EngineConfig | None = None, tokenizer=None) -> None:
+        config = config or EngineConfig()
+        layout = executor.cache_layout()
+        self.model_config = layout[0][0]
+        spec = config.speculative
+        if executor.has_draft_model != (spec is not None and spec.method == "draft"):
+            raise ValueError(
+                "a draft model needs speculative=SpeculativeConfig(method='draft'), and that method needs "
+                f"an executor with a draft model (has one: {executor.has_draft_model}, method: "
+                f"{spec.method if spec else None})"
+            )
+        geometry = size_cache(config, layout)
+        capacity = geometry.num_blocks * geometry.block_size - config.num_speculative_tokens
+        limit = min(self.model_config.max_position_embeddings, capacity)
+        max_model_len = config.max_model_len or limit
+        if max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds what fits: {self.model_config.max_position_embeddings} "
+                f"positions, {geometry.num_blocks} blocks x {geometry.block_size} tokens minus "
+                f"{config.num_speculative_tokens} draft positions = {capacity}"
+            )
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len={max_model_len} leaves no room to generate; the cache is too small")
+        executor.allocate_cache(geometry)
+        self.executor = executor
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = self.model_config.vocab_size
+        self.cache = CacheManager(geometry, layout, config.enable_prefix_caching, config.snapshot_interval)
+        self.scheduler = Scheduler(config, self.cache, max_model_len)
+        eos = {self.model_config.eos_token_id} | set(getattr(tokenizer, "stop_token_ids", ()))
+        self.output_processor = OutputProcessor(frozenset(eos), max_model_len, tokenizer)
+        self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec and spec.method == "ngram" else None
+        self.requests: dict[str, Request] = {}
+        self.stats = StatsCollector()
+        self._rng = random.Random(config.seed)
+        self._next_seq_id = 0
+
+    # requests ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError (changing nothing) if it cannot run."""
+        self.enqueue(self.make_request(request_id, prompt, params, arrival_time))
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request built by make_request."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+
+    def make_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Validate and build a request without queueing it."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        text, ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves room for "
+                f"at most {self.max_model_len - 1} prompt tokens"
+            )
+        params.validate(self.vocab_size, self.max_model_len)
+        request = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time)
+        for i in range(params.n):
+            detok = self.output_processor.new_detokenizer(params.skip_special_tokens)
+            request.seqs.append(Sequence(self._next_seq_id, request, i, self._generator(params.seed, i), detok))
+            self._next_seq_id += 1
+        return request
+
+    def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            try:
+                ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ValueError("a prompt must be a str or a sequence of int token ids") from None
+            text = None
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return text, ids
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator:
+        if seed is None:
+            seed = self._rng.getrandbits(63)
+        elif index:
+            seed = int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest(), "little") >> 1
+        return torch.Generator().manual_seed(seed)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its caches; its final output (finish_reason 'abort'), or None."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.finished:
+                self.scheduler.free(seq)
+                self.output_processor.abort(seq)
+        request.metrics.finished_time = time.monotonic()
+        return request.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # stepping ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            # the oldest running sequence can always preempt the rest, so work means progress
+            assert not self.scheduler.has_work(), "the scheduler made no progress"
+            return []
+        try:
+            self._propose(out)
+            plan = self.scheduler.make_plan(out)
+            logits = self.executor.execute(plan)
+        except BaseException:
+            self.scheduler.fail(out)
+            raise
+        processed = self._process(out, logits)
+        self.scheduler.commit(out, processed)
+        self.stats.num_steps += 1
+        return self._outputs(out)
+
+    def _propose(self, out: SchedulerOutput) -> None:
+        rows = [sc for sc in out.seqs if sc.decode and sc.max_drafts > 0]
+        if not rows:
+            return
+        if self.proposer is not None:
+            for sc in rows:
+                sc.drafts = self.proposer.propose(sc.seq, sc.max_drafts)
+        else:
+            drafts = self.executor.propose(self.scheduler.draft_plan(rows))
+            for sc, row in zip(rows, drafts.tolist()):
+                sc.drafts = row[: sc.max_drafts]
+
+    def _process(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[int, int]:
+        """Sample / verify and append tokens -> how many fed tokens each sequence keeps."""
+        processed: dict[int, int] = {}
+        new_tokens: dict[int, list[int]] = {}
+        to_sample: list[ScheduledSeq] = []
+        for sc in out.seqs:
+            seq = sc.seq
+            processed[seq.seq_id] = sc.num_tokens
+            if not sc.decode:
+                self.stats.prompt_tokens += sc.num_tokens
+            if sc.prompt_logprobs:
+                self._prompt_logprobs(sc, logits[sc.logits_start : sc.logits_start + sc.num_logits])
+            if sc.drafts:
+                rows = logits[sc.logits_start : sc.logits_start + sc.num_logits]
+                new_tokens[seq.seq_id] = verify(rows, sc.drafts, seq.params, seq.generator)
+                processed[seq.seq_id] = len(new_tokens[seq.seq_id])
+                self.stats.spec_draft_tokens += len(sc.drafts)
+                self.stats.spec_accepted_tokens += len(new_tokens[seq.seq_id]) - 1
+                self.stats.spec_verifications += 1
+            elif sc.samples:
+                to_sample.append(sc)
+        if to_sample:
+            last_rows = logits[[sc.logits_start + sc.num_logits - 1 for sc in to_sample]]
+            tokens = sample(last_rows, [sc.seq.params for sc in to_sample], [sc.seq.generator for sc in to_sample])
+            for sc, token in zip(to_sample, tokens):
+                new_tokens[sc.seq.seq_id] = [token]
+        for sc in out.seqs:
+            if sc.seq.seq_id in new_tokens:
+                self._append(sc, logits, new_tokens[sc.seq.seq_id])
+        return processed
+
+    def _append(self, sc: ScheduledSeq, logits: torch.Tensor, tokens: list[int]) -> None:
+        seq = sc.seq
+        entries: list = [None] * len(tokens)
+        if seq.params.logprobs is not None:
+            first = sc.logits_start if sc.drafts else sc.logits_start + sc.num_logits - 1
+            entries = logprob_entries(logits[first : first + len(tokens)], tokens, seq.params.logprobs)
+        for token, entry in zip(tokens, entries):
+            self.stats.generation_tokens += 1
+            sc.num_new_tokens += 1
+            if self.output_processor.append(seq, token, entry):
+                break
+
+    def _prompt_logprobs(self, sc: ScheduledSeq, rows: torch.Tensor) -> None:
+        """Row i predicts prompt token start + i + 1; positions already scored (before a preemption)
+        are skipped."""
+        request = sc.seq.request
+        first = len(request.prompt_logprobs)
+        stop = min(sc.end, len(request.prompt_token_ids) - 1)
+        if stop < first:
+            return
+        skip = first - (sc.start + 1)
+        targets = request.prompt_token_ids[first : stop + 1]
+        request.prompt_logprobs += logprob_entries(rows[skip : skip + len(targets)], targets, request.params.prompt_logprobs)
+
+    def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        for sc in out.seqs:
+            if sc.num_new_tokens or sc.seq.finished:
+                touched[sc.seq.request.request_id] = sc.seq.request
+        outputs = []
+        now = time.monotonic()
+        for rid, request in touched.items():
+            if request.finished and rid in self.requests:
+                request.metrics.finished_time = now
+                del self.requests[rid]
+                self.stats.finished(request.metrics, max(s.num_output_tokens for s in request.seqs))
+            outputs.append(request.output())
+        return outputs
+
+    # metrics ----------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        return self.stats.snapshot(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_preemptions=s.num_preemptions,
+            cache=self.cache.usage(),
+            prefix_cache_queries=self.cache.prefix_queries,
+            prefix_cache_hits=self.cache.prefix_hits,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self.cache.reset_prefix_cache()
+

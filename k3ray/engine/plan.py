@@ -1,0 +1,70 @@
+"""What crosses the executor boundary: plain CPU tensors and ints, picklable for a Ray executor.
+
+An executor holds the model(s) and the cache pools; the scheduler decides every index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class BatchPlan:
+    """One model forward over N sequences whose new tokens are packed back to back.
+
+    input_ids        [T]      new tokens
+    cu_seqlens       [N + 1]  token offsets
+    context_lens     [N]      cached + new tokens per sequence
+    state_slots      [N]      KDA / conv slot read (if the sequence has cached tokens) and written
+    block_tables     [N, B]   MLA blocks per sequence (padding is never read)
+    logits_indices   [M]      token rows whose logits are returned
+    spec_state_slots [N, Q]   verification: the state after new token j goes to slot [i, j] and
+                              state_slots is left as it was (rollback is a slot choice)
+    """
+
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    context_lens: torch.Tensor
+    state_slots: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+    spec_state_slots: torch.Tensor | None = None
+
+    @property
+    def num_logits(self) -> int:
+        return self.logits_indices.numel()
+
+
+@dataclass
+class StepPlan:
+    """One engine step: state copies (src slot, dst slot) before the forwards (prefix-hit restores)
+    and after them (snapshots); returns the logits of every batch, concatenated in order."""
+
+    batches: list[BatchPlan]
+    pre_copies: list[tuple[int, int]] = field(default_factory=list)
+    post_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class DraftPlan:
+    """Greedy drafting with the draft model: feed input_ids (each sequence's last token, at
+    position context_lens - 1), then num_drafts times the token just drafted. The state after the
+    j-th fed token goes to spec_state_slots[:, j] (j = 0..num_drafts, the last feed is the final
+    draft itself), so the draft model's state after any accepted prefix is a slot choice."""
+
+    input_ids: torch.Tensor  # [N]
+    context_lens: torch.Tensor  # [N]
+    state_slots: torch.Tensor  # [N]
+    block_tables: torch.Tensor  # [N, B]
+    spec_state_slots: torch.Tensor  # [N, num_drafts + 1]
+    num_drafts: int
+
+
+def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out

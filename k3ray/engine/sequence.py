@@ -1,0 +1,117 @@
+"""Requests and their sequences (one per sample when n > 1).
+
+A sequence's tokens are `token_ids` (prompt, then output); the first `num_computed_tokens` of
+them are in the caches. Decode and prefill are the same thing: feed tokens
+[num_computed_tokens, num_tokens), and sample once all of them are computed. The cache fields
+(state_slot, spec_slots, block_table, num_registered_blocks) belong to the Scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from k3ray.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from k3ray.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request: "Request", index: int, generator: torch.Generator | None,
+                 detokenizer=None) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.params: SamplingParams = request.params
+        self.prompt_len = len(request.prompt_token_ids)
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.generator = generator
+        self.detokenizer = detokenizer
+        self.text = ""  # what a stream may show: full_text minus a possible stop-string start
+        self.full_text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[PositionLogprobs] | None = [] if self.params.logprobs is not None else None
+        # cache bookkeeping (Scheduler)
+        self.state_slot: int | None = None
+        self.spec_slots: list[int] = []
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=self.output_token_ids,
+            cumulative_logprob=None if self.output_logprobs is None else self.cumulative_logprob,
+            logprobs=None if self.output_logprobs is None else list(self.output_logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.metrics = RequestMetrics(arrival_time)
+        self.seqs: list[Sequence] = []
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            outputs=[s.completion() for s in self.seqs],
+            finished=self.finished,
+            metrics=self.metrics,
+        )

@@ -1,0 +1,98 @@
+"""KDA / conv state slots: live sequence states, speculative scratch slots and prefix snapshots.
+
+A snapshot is the state after a block-aligned prefix, keyed by that prefix's chain hash. It is
+`pending` from the step that copies it until that step completes, and only then `valid` (usable
+by a prefix hit), so a hit can never restore a state that was not written. Valid snapshots are
+evicted least recently used first whenever a slot is needed, except while `pinned` by a step
+that reads them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class StatePool:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.valid: dict[bytes, int] = {}
+        self.pending: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # valid, unpinned; oldest first
+        self.pins: dict[int, int] = {}
+
+    @property
+    def num_available(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self.valid) + len(self.pending)
+
+    @property
+    def num_live(self) -> int:
+        """Slots held by sequences."""
+        return self.num_slots - len(self.free) - self.num_snapshots
+
+    def _take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        slot, _ = self.evictable.popitem(last=False)
+        del self.valid[self.key_of.pop(slot)]
+        return slot
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= self.num_available, (n, self.num_available)
+        return [self._take() for _ in range(n)]
+
+    def release(self, slots: list[int]) -> None:
+        for s in slots:
+            assert s not in self.key_of, f"slot {s} is a snapshot"
+            self.free.append(s)
+
+    # snapshots ------------------------------------------------------------------------------
+    def lookup(self, key: bytes) -> int | None:
+        return self.valid.get(key)
+
+    def has(self, key: bytes) -> bool:
+        return key in self.valid or key in self.pending
+
+    def pin(self, slot: int) -> None:
+        self.evictable.pop(slot, None)
+        self.pins[slot] = self.pins.get(slot, 0) + 1
+
+    def unpin(self, slot: int) -> None:
+        self.pins[slot] -= 1
+        if self.pins[slot] == 0:
+            del self.pins[slot]
+            self.evictable[slot] = None  # most recently used
+
+    def reserve_snapshot(self, key: bytes) -> int | None:
+        """A slot the coming step will copy the state for `key` into, or None if none is spare."""
+        if self.has(key) or self.num_available == 0:
+            return None
+        slot = self._take()
+        self.pending[key] = slot
+        self.key_of[slot] = key
+        return slot
+
+    def commit_snapshot(self, slot: int) -> None:
+        """The step that wrote `slot` completed: the snapshot may now serve hits."""
+        key = self.key_of[slot]
+        del self.pending[key]
+        self.valid[key] = slot
+        self.evictable[slot] = None
+
+    def drop_snapshot(self, slot: int) -> None:
+        """Forget a pending snapshot (its step did not complete)."""
+        key = self.key_of.pop(slot)
+        del self.pending[key]
+        self.free.append(slot)
+
+    def clear_snapshots(self) -> None:
+        """Free every valid, unpinned snapshot."""
+        for slot in list(self.evictable):
+            del self.valid[self.key_of.pop(slot)]
+            self.free.append(slot)
+        self.evictable.clear()

@@ -1,0 +1,83 @@
+"""Engine counters and timings for metrics: queue sizes, cache use, prefix hits, speculative
+acceptance, TTFT / TPOT."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from k3ray.engine.outputs import RequestMetrics
+
+WINDOW = 1000  # recent requests kept for percentiles
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_steps: int
+    num_preemptions: int
+    prompt_tokens: int  # computed by prefill (prefix hits excluded)
+    generation_tokens: int
+    cache: dict[str, int | float]
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_verifications: int
+    num_finished: int
+    ttft_mean_s: float | None
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tpot_mean_s: float | None
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted(self) -> float:
+        """Accepted drafts per verification (the bonus token not counted)."""
+        return self.spec_accepted_tokens / self.spec_verifications if self.spec_verifications else 0.0
+
+
+class StatsCollector:
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_verifications = 0
+        self.num_finished = 0
+        self.ttft: deque[float] = deque(maxlen=WINDOW)
+        self.tpot: deque[float] = deque(maxlen=WINDOW)
+
+    def finished(self, metrics: RequestMetrics, num_output_tokens: int) -> None:
+        self.num_finished += 1
+        if metrics.ttft is not None:
+            self.ttft.append(metrics.ttft)
+            if num_output_tokens > 1 and metrics.finished_time is not None:
+                self.tpot.append((metrics.finished_time - metrics.first_token_time) / (num_output_tokens - 1))
+
+    def snapshot(self, **live) -> EngineStats:
+        ttft = sorted(self.ttft)
+        return EngineStats(
+            num_steps=self.num_steps,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_verifications=self.spec_verifications,
+            num_finished=self.num_finished,
+            ttft_mean_s=statistics.fmean(ttft) if ttft else None,
+            ttft_p50_s=ttft[len(ttft) // 2] if ttft else None,
+            ttft_p99_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
+            tpot_mean_s=statistics.fmean(self.tpot) if self.tpot else None,
+            **live,
+        )

@@ -1,0 +1,144 @@
+"""Bad input raises ValueError with a clear message and leaves every request in flight unaffected."""
+
+import asyncio
+
+import pytest
+import torch
+
+from k3ray.config import preset
+from k3ray.engine import (LLM, AsyncEngine, EngineConfig, LLMEngine, LocalExecutor, SamplingParams,
+                          SpeculativeConfig)
+from k3ray.models.init import build_model
+
+MICRO = preset("k3-tiny").replace(name="k3-micro", num_layers=4, layer_types=("kda", "kda", "kda", "mla"),
+                                  first_k_dense_replace=3)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPT = [11, 22, 33, 44, 55, 66, 77]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes: intra-op threads only add synchronisation (and stall on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(MICRO, seed=0)
+
+
+def make_engine(model, **kw):
+    return LLMEngine(LocalExecutor(model), EngineConfig(num_blocks=16, block_size=8, max_model_len=100, **kw))
+
+
+BAD_REQUESTS = [
+    ([1] * 100, GREEDY, "the prompt has 100 tokens, but max_model_len=100"),
+    ([1, 512], GREEDY, r"token id 512 is outside the vocabulary \[0, 512\)"),
+    ([-1], GREEDY, r"token id -1 is outside the vocabulary"),
+    ([], GREEDY, "the prompt is empty"),
+    ([1.5, 2], GREEDY, "a prompt must be a str or a sequence of int token ids"),
+    ("hello", GREEDY, "a text prompt needs a tokenizer"),
+    (PROMPT, SamplingParams(max_tokens=100), "max_tokens=100 can never be reached"),
+    (PROMPT, SamplingParams(stop_token_ids=[600]), r"stop_token_ids \[600\] are outside the vocabulary"),
+    (PROMPT, {"temperature": 0}, "params must be SamplingParams"),
+]
+
+
+def test_bad_requests_raise_and_change_nothing(model):
+    reference = LLM(model, num_blocks=16, block_size=8).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+    engine = make_engine(model)
+    engine.add_request("good", PROMPT, GREEDY)
+    outputs = [engine.step(), engine.step()]
+    before = (engine.cache.usage(), len(engine.scheduler.running), len(engine.scheduler.waiting))
+    for prompt, params, match in BAD_REQUESTS:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request("bad", prompt, params)
+        assert "bad" not in engine.requests
+        assert (engine.cache.usage(), len(engine.scheduler.running), len(engine.scheduler.waiting)) == before
+    with pytest.raises(ValueError, match="request_id 'good' is already in flight"):
+        engine.add_request("good", PROMPT, GREEDY)
+    while engine.has_unfinished_requests():
+        outputs.append(engine.step())
+    final = [o for step in outputs for o in step if o.finished]
+    assert len(final) == 1 and final[0].outputs[0].token_ids == reference
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs must be a positive int, got 0"),
+        ({"block_size": -4}, "block_size must be a positive int"),
+        ({"num_blocks": 8, "cache_memory_bytes": 10**6}, "give num_blocks or cache_memory_bytes, not both"),
+        ({"max_num_batched_tokens": 3, "speculative": SpeculativeConfig("ngram", 4)},
+         "cannot hold one verification"),
+        ({"num_snapshot_slots": -1}, "num_snapshot_slots must be an int >= 0"),
+    ],
+)
+def test_bad_engine_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_bad_speculative_config_raises():
+    with pytest.raises(ValueError, match="method must be 'ngram' or 'draft'"):
+        SpeculativeConfig("eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1"):
+        SpeculativeConfig("ngram", 0)
+    with pytest.raises(ValueError, match="ngram_min <= ngram_max"):
+        SpeculativeConfig("ngram", 2, ngram_min=3, ngram_max=2)
+
+
+def test_engine_construction_checks_capacity_and_models(model):
+    with pytest.raises(ValueError, match="max_model_len=200 exceeds what fits"):
+        LLMEngine(LocalExecutor(model), EngineConfig(num_blocks=16, block_size=8, max_model_len=200))
+    with pytest.raises(ValueError, match="cache_memory_bytes=1000 does not fit"):
+        LLMEngine(LocalExecutor(model), EngineConfig(cache_memory_bytes=1000))
+    with pytest.raises(ValueError, match="num_state_slots=3 is below"):
+        LLMEngine(LocalExecutor(model), EngineConfig(max_num_seqs=4, num_state_slots=3, num_blocks=8))
+    with pytest.raises(ValueError, match="a draft model needs speculative"):
+        LLMEngine(LocalExecutor(model, build_model(MICRO, seed=1)), EngineConfig(num_blocks=8))
+    with pytest.raises(ValueError, match="that method needs an executor with a draft model"):
+        LLMEngine(LocalExecutor(model), EngineConfig(num_blocks=8, speculative=SpeculativeConfig("draft")))
+    other_vocab = build_model(MICRO.replace(vocab_size=600), seed=0)
+    with pytest.raises(ValueError, match="draft vocab_size 600 != target vocab_size 512"):
+        LocalExecutor(model, other_vocab)
+    with pytest.raises(ValueError, match="model must be None, a checkpoint directory or a K3ForCausalLM"):
+        LLM(42)
+
+
+def test_llm_generate_validates_every_prompt_before_running_any(model):
+    llm = LLM(model, num_blocks=16, block_size=8, max_model_len=100)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([PROMPT, [999]], GREEDY)
+    with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
+        llm.generate([PROMPT], [GREEDY, GREEDY])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.get_stats().cache["blocks_used"] == 0
+
+
+def test_async_bad_request_raises_while_a_good_stream_completes(model):
+    reference = LLM(model, num_blocks=16, block_size=8).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+
+    async def main():
+        engine = AsyncEngine(make_engine(model))
+
+        async def collect():
+            return [out async for out in engine.generate(PROMPT, GREEDY, "good")]
+
+        task = asyncio.create_task(collect())
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            async for _ in engine.generate([1, 9999], GREEDY, "bad"):
+                pass
+        with pytest.raises(ValueError, match="request_id 'good' is already in flight"):
+            async for _ in engine.generate(PROMPT, GREEDY, "good"):
+                pass
+        outs = await task
+        await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == reference
