@@ -10,10 +10,15 @@ import torch
 from torch import nn
 
 from k3ray.config import MLA_NORM_EPS
-from k3ray.kernels.mla import mla_decode, mla_prefill
+from k3ray.kernels.mla import mla_decode, mla_prefill, mla_prefill_paged
 from k3ray.kernels.mla.naive import absorbed_mla_attention, gather_latent, naive_mla_attention
 from k3ray.models.forward_batch import ForwardBatch
 from k3ray.models.norm import RMSNorm
+
+
+# a sequence whose expanded prefill scores (new tokens x context x heads) would exceed this many
+# elements attends in the absorbed, key-chunked form instead: bounded memory at 1M-token contexts
+EXPANDED_PREFILL_MAX_SCORES = 1 << 26
 
 
 class GatedMLA(nn.Module):
@@ -92,6 +97,22 @@ class GatedMLA(nn.Module):
             o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
         return self.o_proj(o.to(x.dtype))
 
+    def _prefill_expanded(self, q, o, cache, batch: ForwardBatch, seqs: list[int], dtype) -> None:
+        """Naive form for the listed sequences: expand their cached latents to K / V, then one
+        packed causal attention call."""
+        rows, ks, vs, cu_q, cu_k = [], [], [], [0], [0]
+        for i in seqs:
+            s, e = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+            lat = gather_latent(cache, batch.block_tables[i], int(batch.context_lens[i]), batch.cache.block_size)
+            k, v = self.expand_kv(lat.to(dtype))
+            ks.append(k)
+            vs.append(v)
+            rows.append(torch.arange(s, e))
+            cu_q.append(cu_q[-1] + e - s)
+            cu_k.append(cu_k[-1] + lat.shape[0])
+        rows_t = torch.cat(rows)
+        o[rows_t] = mla_prefill(q[rows_t], torch.cat(ks), torch.cat(vs), torch.tensor(cu_q), torch.tensor(cu_k), self.scale)
+
     # step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cache = batch.cache.mla_latent[self.layer_idx]
@@ -104,12 +125,19 @@ class GatedMLA(nn.Module):
             )
             o = self.unabsorb_o(o_lat.to(x.dtype))
         else:
-            ks, vs, cu_k = [], [], [0]
+            o = torch.empty(x.shape[0], self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
+            expanded = []
             for i in range(batch.num_seqs):
-                lat = gather_latent(cache, batch.block_tables[i], int(batch.context_lens[i]), batch.cache.block_size)
-                k, v = self.expand_kv(lat.to(x.dtype))
-                ks.append(k)
-                vs.append(v)
-                cu_k.append(cu_k[-1] + lat.shape[0])
-            o = mla_prefill(q, torch.cat(ks), torch.cat(vs), batch.cu_seqlens, torch.tensor(cu_k), self.scale)
+                s, e = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+                ctx = int(batch.context_lens[i])
+                if (e - s) * ctx * self.num_heads > EXPANDED_PREFILL_MAX_SCORES:
+                    o_lat = mla_prefill_paged(
+                        self.absorb_q(q[s:e]), cache, batch.block_tables[i], ctx - (e - s),
+                        batch.cache.block_size, self.kv_lora_rank, self.scale,
+                    )
+                    o[s:e] = self.unabsorb_o(o_lat.to(x.dtype))
+                else:
+                    expanded.append(i)
+            if expanded:
+                self._prefill_expanded(q, o, cache, batch, expanded, x.dtype)
         return self.gate_and_project(x, o)

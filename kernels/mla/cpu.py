@@ -124,3 +124,41 @@ def mla_decode_cpu(
         acc = acc * alpha + torch.bmm(p, lat[..., :L])
         b_m = m_new
     return (acc / b_l.clamp_min(1e-30)).to(q_latent.dtype)
+
+
+def mla_prefill_paged_cpu(
+    q_latent: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prior_len: int,
+    block_size: int,
+    kv_lora_rank: int,
+    scale: float,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """One sequence's new queries (absorbed) over its paged latents, causal, key-chunked with an
+    online softmax so memory is O(Tq * chunk), not O(Tq * context): q_latent [Tq, H, L + R] at
+    positions prior_len .. prior_len + Tq - 1 -> [Tq, H, L] (q's dtype)."""
+    Tq, H, D = q_latent.shape
+    L = kv_lora_rank
+    total = prior_len + Tq
+    chunk = chunk or max(block_size, DECODE_CHUNK_ELEMENTS // max(Tq * H, 1))
+    dtype = _acc_dtype(q_latent, cache)
+    qf = (q_latent.to(dtype) * scale).reshape(Tq * H, D)  # [Tq * H, D]
+    q_pos = (prior_len + torch.arange(Tq)).repeat_interleave(H)[:, None]  # [Tq * H, 1]
+    b_m = torch.full((Tq * H, 1), float("-inf"), dtype=dtype)
+    b_l = torch.zeros(Tq * H, 1, dtype=dtype)
+    acc = torch.zeros(Tq * H, L, dtype=dtype)
+    table = block_table.long()
+    for c0 in range(0, total, chunk):
+        pos = torch.arange(c0, min(c0 + chunk, total))  # [C]
+        lat = cache[table[pos // block_size] * block_size + pos % block_size].to(dtype)  # [C, D]
+        s = (qf @ lat.T).masked_fill_(pos[None, :] > q_pos, float("-inf"))  # [Tq * H, C]
+        m_new = torch.maximum(b_m, s.amax(-1, keepdim=True))
+        m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+        alpha = torch.exp(b_m - m_safe)
+        p = torch.exp(s - m_safe)
+        b_l = b_l * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + p @ lat[:, :L]
+        b_m = m_new
+    return (acc / b_l.clamp_min(1e-30)).view(Tq, H, L).to(q_latent.dtype)

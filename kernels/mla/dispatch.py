@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from k3ray.kernels.mla.cpu import mla_decode_cpu, mla_prefill_cpu
+from k3ray.kernels.mla.cpu import mla_decode_cpu, mla_prefill_cpu, mla_prefill_paged_cpu
 
 
 def mla_prefill(
@@ -65,3 +65,25 @@ def mla_decode(
 
         return mla_decode_triton(q_latent, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
     return mla_decode_cpu(q_latent, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
+
+
+def mla_prefill_paged(
+    q_latent: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prior_len: int,
+    block_size: int,
+    kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """Long-context prefill of one sequence in the absorbed form, straight from the paged cache
+    with bounded memory: q_latent [Tq, H, L + R] (the last Tq of prior_len + Tq positions) ->
+    [Tq, H, L]. The key-chunked PyTorch path serves CPU and CUDA tensors alike."""
+    if q_latent.dim() != 3 or cache.dim() != 2 or cache.shape[-1] != q_latent.shape[-1]:
+        raise ValueError(
+            f"expected q_latent [Tq, H, L + R] and cache [slots, L + R]; got {list(q_latent.shape)} "
+            f"and {list(cache.shape)}"
+        )
+    if prior_len < 0:
+        raise ValueError(f"prior_len must be >= 0, got {prior_len}")
+    return mla_prefill_paged_cpu(q_latent, cache, block_table, prior_len, block_size, kv_lora_rank, scale)

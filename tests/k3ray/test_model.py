@@ -151,3 +151,13 @@ def test_api_generate_greedy_matches_argmax_chain(tiny, ids):
     assert sampled == k3.generate(ids[:10].tolist(), max_new_tokens=5, temperature=1.0, seed=7)
     with pytest.raises(ValueError, match="max_new_tokens"):
         k3.generate([1], max_new_tokens=0)
+
+
+def test_long_context_absorbed_prefill_equals_expanded(tiny, ids, monkeypatch):
+    """The bounded-memory (absorbed, key-chunked) MLA prefill path gives the same logits."""
+    import k3ray.models.mla as mla_module
+
+    expanded = run_chunks(tiny, ids, [20, 25])
+    monkeypatch.setattr(mla_module, "EXPANDED_PREFILL_MAX_SCORES", 0)
+    absorbed = run_chunks(tiny, ids, [20, 25])
+    assert max_rel(expanded, absorbed) <= FP32_REL
