@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from k3ray.config import L2_NORM_EPS
-from k3ray.kernels.conv import causal_conv1d, causal_conv1d_update
-from k3ray.kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate, l2norm
+from k3ray.kernels.conv import causal_conv1d, causal_conv1d_spec, causal_conv1d_update
+from k3ray.kernels.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_spec, kda_gate, l2norm
 from k3ray.models.forward_batch import ForwardBatch
 from k3ray.models.norm import gated_rms_norm
 
@@ -87,21 +87,15 @@ class KimiDeltaAttention(nn.Module):
 
     def _prefill_per_token_states(self, qkv, g, beta, batch, conv0, state0, conv_pool, state_pool) -> torch.Tensor:
         """Speculative verification: the state after new token j of sequence i goes to
-        spec_state_slots[i, j], so keeping the first a accepted tokens is choosing slot a - 1."""
+        spec_state_slots[i, j], so keeping the first a accepted tokens is choosing slot a - 1.
+        The kernels read the initial states from the pools themselves (conv0 / state0 unused)."""
+        T = qkv.shape[0]
         H, K = self.num_heads, self.head_dim
-        o = qkv.new_empty(qkv.shape[0], H, K)
-        weight = self.conv_weight()
-        for i in range(batch.num_seqs):
-            s, e = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-            conv_i, state_i = conv0[i : i + 1], state0[i : i + 1]
-            one = torch.tensor([0, 1])
-            for t in range(s, e):
-                y, conv_i = causal_conv1d(qkv[t : t + 1], weight, one, conv_i)
-                q, k, v = (u.reshape(1, H, K) for u in y.split(H * K, -1))
-                q, k = l2norm(q, L2_NORM_EPS), l2norm(k, L2_NORM_EPS)
-                o_t, state_i = chunk_kda(q, k, v, g[t : t + 1], beta[t : t + 1], K**-0.5, state_i, one)
-                o[t] = o_t[0]
-                slot = batch.spec_state_slots[i, t - s].long()
-                conv_pool[slot] = conv_i[0].to(conv_pool.dtype)
-                state_pool[slot] = state_i[0]
-        return o
+        initial_slots = torch.where(batch.prior_lens > 0, batch.state_slots.long(), -1)  # -1: start from zeros
+        out_slots = batch.spec_state_slots.long()
+        qkv = causal_conv1d_spec(qkv, self.conv_weight(), batch.cu_seqlens, conv_pool, initial_slots, out_slots)
+        q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, -1))
+        q, k = l2norm(q, L2_NORM_EPS), l2norm(k, L2_NORM_EPS)
+        return fused_recurrent_kda_spec(
+            q, k, v, g, beta, K**-0.5, state_pool, initial_slots, batch.cu_seqlens, out_slots
+        )

@@ -103,3 +103,39 @@ def naive_chunk_kda(
         S = G_last.transpose(-1, -2).exp() * S + ((G_last - G).exp() * k_n).transpose(-1, -2) @ v_new
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o, (S if output_final_state else None)
+
+
+def naive_recurrent_kda_spec(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state_pool: torch.Tensor,
+    initial_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    out_slots: torch.Tensor,
+) -> torch.Tensor:
+    """Speculative verification over packed sequences (q [T, H, K], ...): sequence i starts from
+    state_pool[initial_slots[i]] (zeros if < 0) and leaves the state after its token j in
+    state_pool[out_slots[i, j]] (skipped if < 0). All initial states are read first -> o [T, H, V]."""
+    N = cu_seqlens.numel() - 1
+    H, K, V = q.shape[1], q.shape[2], v.shape[-1]
+    starts = [
+        state_pool[int(s)].float().clone() if int(s) >= 0 else q.new_zeros(H, K, V, dtype=torch.float32)
+        for s in initial_slots
+    ]
+    o = torch.empty_like(v)
+    for i in range(N):
+        S = starts[i][None]
+        for t in range(int(cu_seqlens[i]), int(cu_seqlens[i + 1])):
+            o_t, S = naive_recurrent_kda(
+                q[None, t : t + 1], k[None, t : t + 1], v[None, t : t + 1], g[None, t : t + 1],
+                beta[None, t : t + 1], scale=scale, initial_state=S, output_final_state=True,
+            )
+            o[t] = o_t[0, 0].to(v.dtype)
+            slot = int(out_slots[i, t - int(cu_seqlens[i])])
+            if slot >= 0:
+                state_pool[slot] = S[0].to(state_pool.dtype)
+    return o

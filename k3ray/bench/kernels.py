@@ -1,0 +1,137 @@
+"""`k3ray bench kernels`: per-op timings at K3 and tiny shapes, plus KDA prefill vs fla-core's
+pure-PyTorch `naive_chunk_kda` on CPU.
+
+Each op folder may ship `kernels/<op>/bench.py` with `cases(device, quick) -> list[dict]`
+(keys op, shape, fn, bytes, flops); every present one is collected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from k3ray.bench.common import machine, median_time
+
+OP_MODULES = ("kda", "conv", "mla", "attn_res", "moe")
+# H200 SXM: HBM3e bandwidth and dense bf16 tensor-core peak
+H200_BYTES_PER_S = 4.8e12
+H200_FLOPS = 990e12
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer cases and repeats")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    parser.add_argument("--ops", default=",".join(OP_MODULES), help="comma-separated op folders to run")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 5, quick 2)")
+    parser.add_argument("--compare-heads", type=int, default=None,
+                        help="heads for the fla naive_chunk_kda comparison at T=4096, K=V=128 (default 16, quick 8)")
+    parser.add_argument("--no-compare", action="store_true", help="skip the fla naive_chunk_kda comparison")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's); 1 is steadier on a busy machine")
+
+
+def _synced(fn: Callable[[], Any], device: str) -> Callable[[], Any]:
+    if not device.startswith("cuda"):
+        return fn
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def _row(case: dict[str, Any], device: str, seconds: float) -> dict[str, Any]:
+    nbytes, flops = case.get("bytes"), case.get("flops")
+    tb_s = nbytes / seconds / 1e12 if nbytes else None
+    tflops = flops / seconds / 1e12 if flops else None
+    frac = None
+    if device.startswith("cuda") and (nbytes or flops):
+        bound = max((nbytes or 0) / H200_BYTES_PER_S, (flops or 0) / H200_FLOPS)
+        frac = bound / seconds
+    return {"op": case["op"], "shape": case["shape"], "device": device, "ms": seconds * 1e3,
+            "tb_s": tb_s, "tflops": tflops, "roofline_frac": frac}
+
+
+def _op_modules(ops: list[str]) -> list[Any]:
+    """The `bench` modules of the op folders that ship one."""
+    found = []
+    for op in ops:
+        name = f"k3ray.kernels.{op}.bench"
+        try:
+            found.append(importlib.import_module(name))
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+    return found
+
+
+def compare_with_fla_naive_chunk(heads: int, repeats: int, T: int = 4096, K: int = 128) -> dict[str, Any] | None:
+    """fla naive_chunk_kda seconds / ours on CPU, interleaved, medians; None without fla-core."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from fla.ops.kda.naive import naive_chunk_kda  # test-only dependency: optional here
+    except ImportError:
+        return None
+    from k3ray.kernels.kda.bench import make_inputs
+    from k3ray.kernels.kda.dispatch import chunk_kda
+
+    q, k, v, g, beta = make_inputs(T, heads, K, K, "cpu", dtype=torch.float32)
+    S0 = torch.zeros(1, heads, K, K)
+    cu = torch.tensor([0, T])
+    ours = lambda: chunk_kda(q, k, v, g, beta, K**-0.5, S0, cu)  # noqa: E731
+    theirs = lambda: naive_chunk_kda(q[None], k[None], v[None], g[None], beta[None], K**-0.5, S0, True)  # noqa: E731
+    ours()
+    t_ours, t_theirs = [], []
+    for _ in range(repeats):
+        for fn, times in ((theirs, t_theirs), (ours, t_ours)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    ours_s, theirs_s = statistics.median(t_ours), statistics.median(t_theirs)
+    return {"ratio": theirs_s / ours_s, "ours_s": ours_s, "fla_naive_chunk_s": theirs_s,
+            "shape": f"T={T} H={heads} K=V={K} fp32", "repeats": repeats}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r} asked for, but CUDA is not available")
+    repeats = args.repeats or (2 if args.quick else 5)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = sorted(set(ops) - set(OP_MODULES))
+    if unknown:
+        raise ValueError(f"--ops: unknown op folders {unknown}; choose from {list(OP_MODULES)}")
+    rows = []
+    with torch.inference_mode():
+        for module in _op_modules(ops):  # one module's inputs alive at a time
+            for case in module.cases(device, args.quick):
+                seconds = median_time(_synced(case["fn"], device), repeats=repeats, warmup=1)
+                rows.append(_row(case, device, seconds))
+        compare = None
+        if not args.no_compare and "kda" in ops:
+            heads = args.compare_heads or (8 if args.quick else 16)
+            compare = compare_with_fla_naive_chunk(heads, 1 if args.quick else 3)
+    return {
+        "machine": machine(),
+        "config": {"device": device, "quick": args.quick, "repeats": repeats, "ops": ops,
+                   "threads": torch.get_num_threads(), "load_avg_1min": [load_before, os.getloadavg()[0]],
+                   "compare": compare},
+        "kda_prefill_vs_naive_chunk": None if compare is None else compare["ratio"],
+        "ops": rows,
+    }
