@@ -60,7 +60,7 @@ class _Choice:
 async def create_completion(serving: OpenAIServing, req: CompletionRequest) -> dict | AsyncIterator[str]:
     serving.check_model(req.model)
     check_stream_options(req)
-    if req.max_tokens is not None and req.max_tokens == 0 and not req.echo:
+    if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens=0 is only allowed with echo=true", "max_tokens")
     prompts = serving.completion_prompts(req.prompt)
     # max_tokens 0 (echo only) still runs one decode step in the engine; its token is dropped

@@ -83,8 +83,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return bad_request("the request body is invalid")
     parts, param = [], None
     for err in errors[:5]:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        where = ".".join(loc) or "body"
+        where = _field_path(err.get("loc", ()))
         if err.get("type") == "json_invalid":
             parts.append(f"the body is not valid JSON ({err.get('msg')})")
             where = "body"
@@ -93,3 +92,21 @@ def validation_error(exc: RequestValidationError) -> APIError:
         param = param or (where if where != "body" else None)
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     return bad_request("; ".join(parts) + more, param)
+
+
+def _field_path(loc) -> str:
+    """("body", "messages", 0, "content", "str") -> "messages[0].content" (union member tags dropped)."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _UNION_TAG.match(str(part)):
+            break
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")

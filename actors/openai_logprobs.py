@@ -50,9 +50,8 @@ class CompletionLogprobs:
                 continue
             out["token_logprobs"].append(clean(entry[token_id].logprob))
             top = sorted(entry.items(), key=lambda kv: kv[1].rank)
-            out["top_logprobs"].append(
-                {n: clean(lp.logprob) for n, (_, lp) in zip(self.tokenizer.convert_ids_to_tokens([t for t, _ in top]), top)}
-            )
+            top_names = self.tokenizer.convert_ids_to_tokens([t for t, _ in top])
+            out["top_logprobs"].append({n: clean(lp.logprob) for n, (_, lp) in zip(top_names, top)})
         return out
 
 

@@ -10,6 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k3ray.actors.openai_errors import APIError
 
+DEFAULT_MAX_BODY_BYTES = 64 * 1024**2
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no key
 
 
@@ -21,7 +22,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or _route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
@@ -68,3 +69,9 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path below the app's mount point (Serve's route_prefix arrives as root_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path

@@ -7,7 +7,7 @@ instead of being silently served differently. Value checks beyond types live in 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -106,5 +106,3 @@ class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: TokenIds
 
-
-Role = Literal["system", "user", "assistant", "tool"]

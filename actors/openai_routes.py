@@ -15,11 +15,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from k3ray.actors.openai_chat import create_chat_completion
 from k3ray.actors.openai_completions import create_completion
 from k3ray.actors.openai_errors import APIError, bad_request, install_error_handlers
-from k3ray.actors.openai_middleware import APIKeyMiddleware, BodyLimitMiddleware
+from k3ray.actors.openai_middleware import DEFAULT_MAX_BODY_BYTES, APIKeyMiddleware, BodyLimitMiddleware
 from k3ray.actors.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from k3ray.actors.openai_serving import OpenAIServing
-
-DEFAULT_MAX_BODY_BYTES = 64 * 1024**2
 
 HealthCheck = Callable[[], Awaitable[tuple[bool, str]]]
 

@@ -147,11 +147,18 @@ class OpenAIServing:
                               "sequences per request", "prompt")
         started = time.monotonic()
         streams = [self.engine.generate(p.ids, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
-        async with aclosing(_merge(streams)) as merged:
-            async for i, out in merged:
-                if out.finished and self.metrics is not None:
-                    self.metrics.observe_finished(out, time.monotonic() - started)
-                yield i, out
+        unfinished = set(range(len(prompts)))
+        try:
+            async with aclosing(_merge(streams)) as merged:
+                async for i, out in merged:
+                    if out.finished:
+                        unfinished.discard(i)
+                        if self.metrics is not None:
+                            self.metrics.observe_finished(out, time.monotonic() - started)
+                    yield i, out
+        finally:
+            if unfinished and self.metrics is not None:
+                self.metrics.observe_aborted(len(unfinished))
 
     async def run_to_end(self, prompts: Sequence[Prompt], params: SamplingParams,
                          request_id: str) -> list[RequestOutput]:

@@ -63,8 +63,10 @@ class K3Server:
             raise RuntimeError(detail)
 
     async def __del__(self) -> None:
-        await self.engine.shutdown()
-        shutdown = getattr(self.executor, "shutdown", None)
+        """Serve stops the replica: end its requests, then its model actors (if any)."""
+        if hasattr(self, "engine"):
+            await self.engine.shutdown()
+        shutdown = getattr(getattr(self, "executor", None), "shutdown", None)
         if shutdown is not None:
             await asyncio.to_thread(shutdown)
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-DEFAULT_MAX_BODY_BYTES = 64 * 1024**2
+from k3ray.actors.openai_middleware import DEFAULT_MAX_BODY_BYTES
 
 
 class ServeArgs(BaseModel):
@@ -19,7 +19,7 @@ class ServeArgs(BaseModel):
 
     # model
     model: str | None = Field(None, description="checkpoint directory; None = the default tiny K3")
-    served_model_name: str | None = Field(None, description="model id clients send; default: the checkpoint folder name")
+    served_model_name: str | None = Field(None, description="the model id clients send; default: the folder name")
     dtype: Literal["float32", "bfloat16"] = "float32"
     # one replica = one model pipeline
     pipeline: int = Field(1, ge=1)
@@ -41,7 +41,7 @@ class ServeArgs(BaseModel):
     look_back_period_s: float = Field(30.0, gt=0)
     # admission
     max_ongoing_requests: int | None = Field(None, ge=1, description="per replica; default max_num_seqs")
-    max_queued_requests: int = Field(-1, ge=-1, description="requests waiting for a replica; beyond -> 429 (-1: no bound)")
+    max_queued_requests: int = Field(256, ge=-1, description="requests waiting for a replica, then 429; -1: no bound")
     retry_after_s: float = Field(1.0, ge=0)
     api_key: str | None = Field(None, description="require `Authorization: Bearer <key>`; default $K3RAY_API_KEY")
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)

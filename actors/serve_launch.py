@@ -31,10 +31,11 @@ def start_ray(address: str | None = None, **init_kwargs) -> bool:
 
 
 def deploy(args: dict, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME,
-           route_prefix: str = "/") -> str:
-    """Start Serve's HTTP proxy on host:port (if not running) and deploy the app; returns its URL
-    once every replica is up (raises if the app fails to deploy)."""
-    serve.start(http_options={"host": host, "port": port})
+           route_prefix: str = "/", proxy_location: str = "EveryNode") -> str:
+    """Start Serve's HTTP proxies on host:port (if not running) and deploy the app; returns its URL
+    once every replica is up (raises if the app fails to deploy). Nodes sharing one machine (a
+    test cluster) need proxy_location="HeadOnly"."""
+    serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}{route_prefix.rstrip('/')}"

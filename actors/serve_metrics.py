@@ -55,6 +55,10 @@ class ServeMetrics:
         if generated > 1 and m.first_token_time is not None and m.finished_time is not None:
             self.tpot.observe((m.finished_time - m.first_token_time) / (generated - 1))
 
+    def observe_aborted(self, count: int) -> None:
+        """Requests whose client went away (or that failed) before they finished."""
+        self.finished.labels(finished_reason="abort", **self.labels).inc(count)
+
     async def render(self) -> tuple[bytes, str]:
         load = await asyncio.to_thread(self._expert_load) if self._expert_load is not None else None
         self._engine.expert_load = load

@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "info": ("k3ray.commands.info", "parameter counts and per-sequence memory of a preset or checkpoint"),
     "generate": ("k3ray.commands.generate", "generate text in this process from a checkpoint"),
+    "serve": ("k3ray.commands.serve", "serve a checkpoint with an OpenAI-compatible API on Ray Serve"),
     "plan": ("k3ray.commands.plan", "size a deployment: actor layout, devices and memory per actor"),
     "bench": ("k3ray.bench.cli", "benchmarks that print and save JSON"),
     "eval": ("k3ray.commands.eval", "long-context and multimodal evals against an endpoint or engine"),

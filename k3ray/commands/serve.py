@@ -1,0 +1,110 @@
+"""`k3ray serve`: an OpenAI-compatible server for a K3 checkpoint on Ray Serve.
+
+With no flags: a private local Ray instance, the tiny default model, http://127.0.0.1:8000,
+until Ctrl-C (then Serve and Ray are shut down). The same app deploys with
+`serve deploy cluster/serve-config.yaml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+# ServeArgs fields set from flags of the same name (None = ServeArgs' default)
+APP_FLAGS = (
+    "model", "served_model_name", "dtype", "pipeline", "expert_parallel", "replica_cpus", "stage_cpus",
+    "shard_cpus", "router_cpus", "placement_strategy", "torch_threads", "min_replicas", "max_replicas",
+    "initial_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "metrics_interval_s",
+    "look_back_period_s", "max_ongoing_requests", "max_queued_requests", "retry_after_s", "api_key",
+    "max_body_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "cache_memory_mb",
+    "enable_prefix_caching", "speculative_ngram", "seed",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    g.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray instance (default: all)")
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $K3RAY_API_KEY)")
+    g.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 64 MiB)")
+    g.add_argument("--served-model-name", default=None, help="model id clients send (default: checkpoint folder name)")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help="checkpoint directory (default: the tiny K3, made on first use)")
+    m.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    m.add_argument("--pipeline", type=int, default=None, help="pipeline stages per replica (>1: Ray actors)")
+    m.add_argument("--expert-parallel", type=int, default=None, help="expert shards per stage (>1: Ray actors)")
+    m.add_argument("--replica-cpus", type=float, default=None)
+    m.add_argument("--stage-cpus", type=float, default=None)
+    m.add_argument("--shard-cpus", type=float, default=None)
+    m.add_argument("--router-cpus", type=float, default=None)
+    m.add_argument("--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"], default=None)
+    m.add_argument("--torch-threads", type=int, default=None)
+    a = p.add_argument_group("replicas and admission")
+    a.add_argument("--min-replicas", type=int, default=None, help="default 1")
+    a.add_argument("--max-replicas", type=int, default=None, help="default 1 (no autoscaling)")
+    a.add_argument("--initial-replicas", type=int, default=None)
+    a.add_argument("--target-ongoing-requests", type=float, default=None, help="autoscaling target per replica (2)")
+    a.add_argument("--upscale-delay-s", type=float, default=None, help="default 30")
+    a.add_argument("--downscale-delay-s", type=float, default=None, help="default 600")
+    a.add_argument("--metrics-interval-s", type=float, default=None)
+    a.add_argument("--look-back-period-s", type=float, default=None)
+    a.add_argument("--max-ongoing-requests", type=int, default=None, help="per replica (default: --max-num-seqs)")
+    a.add_argument("--max-queued-requests", type=int, default=None, help="queue before 429 (256; -1: none)")
+    a.add_argument("--retry-after-s", type=float, default=None, help="Retry-After of a 429 (default 1)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (64)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (2048)")
+    e.add_argument("--max-model-len", type=int, default=None, help="context limit (default: what the cache holds)")
+    e.add_argument("--block-size", type=int, default=None, help="MLA cache block size (16)")
+    e.add_argument("--cache-memory-mb", type=float, default=None, help="cache memory per replica (256)")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    e.add_argument("--speculative-ngram", type=int, default=None, help="n-gram draft tokens per step (0: off)")
+    e.add_argument("--seed", type=int, default=None)
+
+
+def app_args(args: argparse.Namespace) -> dict:
+    out = {name: getattr(args, name) for name in APP_FLAGS if getattr(args, name, None) is not None}
+    if "api_key" not in out and os.environ.get("K3RAY_API_KEY"):
+        out["api_key"] = os.environ["K3RAY_API_KEY"]
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from k3ray.actors.serve_config import ServeArgs
+
+    try:
+        ServeArgs.model_validate(app_args(args))
+    except ValidationError as e:
+        raise ValueError(str(e)) from None
+    from k3ray.actors import serve_launch
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    init = {} if args.num_cpus is None else {"num_cpus": args.num_cpus}
+    owns_ray = serve_launch.start_ray(args.address, **init)
+    try:
+        url = serve_launch.deploy(app_args(args), host=args.host, port=args.port)
+        print(f"k3ray serve: OpenAI API at {url}/v1 (Ctrl-C to stop)", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("k3ray serve: shutting down", file=sys.stderr, flush=True)
+    finally:
+        serve_launch.stop(owns_ray)
+    return 0
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":  # `python -m k3ray.commands.serve ...`, the same as `k3ray serve ...`
+    parser = argparse.ArgumentParser(prog="k3ray serve", description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

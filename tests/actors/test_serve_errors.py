@@ -1,0 +1,237 @@
+"""Safe failure of the live Serve app: every bad request is a 4xx with an OpenAI error body (never
+a 5xx), an API key gates the routes, overload answers 429 with Retry-After, and a client that
+disconnects (streaming or not) cancels its generation and frees its cache."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.timeout(600)
+MODEL = "k3-strict"
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 256
+MAX_BODY = 4096
+LONG = 240  # tokens: several seconds of decoding, so a disconnect lands mid-generation
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    from ray import serve
+
+    from k3ray.actors import serve_launch
+
+    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
+    try:
+        yield serve_launch.deploy(
+            {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
+             "cache_memory_mb": 16, "max_num_seqs": 4, "api_key": KEY, "max_body_bytes": MAX_BODY,
+             "max_ongoing_requests": 1, "max_queued_requests": 1, "retry_after_s": 2},
+            port=free_port(), proxy_location="HeadOnly",
+        )
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, headers=AUTH, timeout=120) as client:
+        yield client
+
+
+def error_of(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    return body
+
+
+def metrics(http) -> dict[str, float]:
+    """Samples of /metrics keyed by name plus any labels besides model_name."""
+    out = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def test_api_key(server, http):
+    assert error_of(httpx.get(f"{server}/v1/models"), 401)["code"] == "invalid_api_key"
+    error_of(httpx.post(f"{server}/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"}), 401)
+    error_of(httpx.post(f"{server}/tokenize", json={"prompt": "x"}), 401)
+    assert httpx.get(f"{server}/health").status_code == 200  # probes need no key
+    assert httpx.get(f"{server}/metrics").status_code == 200
+    assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_malformed_bodies_are_400(http):
+    for body in (b"{not json", b"[]", b"", b'"text"', b"\xff\xfe", b'{"prompt": "x"'):
+        error_of(http.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400)
+    error_of(http.post("/v1/chat/completions", content=b"messages=1",
+                       headers={"content-type": "application/x-www-form-urlencoded"}), 400)
+    assert error_of(http.post("/v1/completions", json={"max_tokens": 3}), 400)["param"] == "prompt"
+
+
+def test_unknown_model_route_and_method(server, http):
+    body = error_of(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404)
+    assert body["param"] == "model" and body["code"] == "model_not_found"
+    error_of(http.post("/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}),
+             404)
+    error_of(http.get("/v1/models/gpt-4"), 404)
+    error_of(http.get("/v1/nothing"), 404)
+    error_of(http.get("/v1/completions"), 405)
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0).completions.create(model="x", prompt="y")
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"), ({"min_p": 2}, "min_p"),
+    ({"n": 0}, "n"), ({"n": 10**9}, "n"), ({"logprobs": 21}, "logprobs"), ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"),
+    ({"seed": -1}, "seed"), ({"seed": 2**80}, "seed"), ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [1, 10**6]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"), ({"prompt": [[1], []]}, "prompt"), ({"prompt": {"text": "x"}}, "prompt"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"), ({"temperature": float("nan")}, "temperature"),
+])
+def test_bad_completion_parameters(http, fields, param):
+    body = json.dumps({"model": MODEL, "prompt": "hi", **fields}).encode()  # NaN is sent as the literal NaN
+    assert error_of(http.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
+                    400)["param"] == param
+
+
+@pytest.mark.parametrize("fields", [{"prompt": "x" * 300}, {"prompt": "hi", "max_tokens": 10**6},
+                                    {"prompt": list(range(1, 200)), "max_tokens": 100}])
+def test_context_limit(http, fields):
+    body = error_of(http.post("/v1/completions", json={"model": MODEL, **fields}), 400)
+    assert body["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in body["message"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                 {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+     "messages[0].content[1]"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": "hello"}, "messages"),
+])
+def test_bad_chat_requests(http, fields, param):
+    body = error_of(http.post("/v1/chat/completions", json={"model": MODEL, **fields}), 400)
+    assert body["param"] == param
+    if param.endswith("content[1]"):
+        assert "image_url" in body["message"] and "not supported" in body["message"]
+
+
+def test_tokenizer_routes_reject_bad_input(http):
+    error_of(http.post("/tokenize", json={}), 400)
+    error_of(http.post("/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]}), 400)
+    error_of(http.post("/detokenize", json={"tokens": [10**6]}), 400)
+    error_of(http.post("/detokenize", json={"tokens": "abc"}), 400)
+    error_of(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404)
+
+
+def test_oversized_body_is_413(http):
+    big = {"model": MODEL, "prompt": "x" * (MAX_BODY + 10)}
+    assert error_of(http.post("/v1/completions", json=big), 413)["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit applies while the body streams in
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 1000):
+            yield data[i : i + 1000]
+
+    error_of(http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413)
+
+
+def hold_a_stream(server: str):
+    """A streaming request that runs for several seconds; returns (response, client) after its
+    first chunk arrived, i.e. once it holds the replica."""
+    client = httpx.Client(base_url=server, headers=AUTH, timeout=120)
+    req = client.build_request("POST", "/v1/completions", json={
+        "model": MODEL, "prompt": "a", "max_tokens": LONG, "ignore_eos": True, "temperature": 0, "stream": True})
+    resp = client.send(req, stream=True)
+    assert resp.status_code == 200
+    next(resp.iter_lines())
+    return resp, client
+
+
+def test_overload_answers_429_with_retry_after(server, http):
+    resp, client = hold_a_stream(server)  # max_ongoing_requests=1: the replica is busy
+    results: list[httpx.Response] = []
+
+    def call():
+        results.append(httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=120,
+                                  json={"model": MODEL, "prompt": "b", "max_tokens": 2}))
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        # max_queued_requests=1: one request may wait, the others are turned away at once
+        while sum(r.status_code == 429 for r in results) < 3 and len(results) < len(threads):
+            assert time.monotonic() < deadline, [r.status_code for r in results]
+            time.sleep(0.1)
+    finally:
+        resp.close()
+        client.close()
+        for t in threads:
+            t.join(timeout=120)
+    statuses = [r.status_code for r in results]
+    assert len(statuses) == 6 and set(statuses) <= {200, 429} and statuses.count(429) >= 3, statuses
+    assert all(r.headers["retry-after"] == "2" for r in results if r.status_code == 429)
+
+
+ABORTED = 'k3ray:request_success_total{finished_reason="abort"}'
+
+
+def wait_for_idle(http, aborted_before: float) -> dict:
+    """Poll /metrics until nothing runs, no cache is held and one more request was aborted."""
+    deadline = time.monotonic() + 60
+    while True:
+        m = metrics(http)
+        freed = m["k3ray:num_requests_running"] == 0 and m["k3ray:state_slots_live"] == 0
+        if freed and m["k3ray:mla_blocks_used"] == 0 and m.get(ABORTED, 0) > aborted_before:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+
+
+def test_disconnect_cancels_a_stream(server, http):
+    before = metrics(http).get(ABORTED, 0)
+    resp, client = hold_a_stream(server)
+    resp.close()
+    client.close()
+    m = wait_for_idle(http, before)
+    assert m[ABORTED] == before + 1
+
+
+def test_disconnect_cancels_a_plain_request(server, http):
+    before = metrics(http).get(ABORTED, 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=httpx.Timeout(60, read=1.5),
+                   json={"model": MODEL, "prompt": "a", "max_tokens": LONG, "ignore_eos": True})
+    m = wait_for_idle(http, before)
+    assert m[ABORTED] == before + 1

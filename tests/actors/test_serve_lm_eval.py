@@ -1,0 +1,147 @@
+"""lm-eval's stock `local-completions` model against the live Serve app, offline: the remote
+tokenizer routes, token-id prompts, echo + logprobs for a loglikelihood (multiple-choice) task and
+plain generation for a generate_until task, both from JSONL files written here. Every score is
+checked against the tiny K3 run directly."""
+
+import json
+import socket
+import textwrap
+
+import pytest
+
+ray = pytest.importorskip("ray")
+lm_eval = pytest.importorskip("lm_eval")
+
+from k3ray.api import K3  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+MODEL = "k3-eval"
+LOGPROB_ATOL = 1e-3  # fp32 on both sides; batched / chunked prefill only reorders sums
+MC_DOCS = [
+    {"question": "Ray is a", "choices": [" framework", " fish", " colour"], "label": 0},
+    {"question": "The sky is", "choices": [" blue", " loud"], "label": 0},
+    {"question": "2 + 2 =", "choices": [" 4", " 5", " 22"], "label": 0},
+    {"question": "Kimi speaks", "choices": [" Chinese", " English"], "label": 1},
+]
+GEN_DOCS = [{"prompt": "Q: name a colour.\nA:", "answer": " red"}, {"prompt": "Hello,", "answer": " world"},
+            {"prompt": "1, 2, 3,", "answer": " 4"}]
+MAX_GEN_TOKS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    from ray import serve
+
+    from k3ray.actors import serve_launch
+
+    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
+    try:
+        yield serve_launch.deploy(
+            {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": 1024, "cache_memory_mb": 16},
+            port=free_port(), proxy_location="HeadOnly",
+        )
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_eval_tasks")
+    for name, docs in (("mc", MC_DOCS), ("gen", GEN_DOCS)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (root / "k3ray_mc.yaml").write_text(textwrap.dedent(f"""\
+        task: k3ray_mc
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {root / "mc.jsonl"}
+        test_split: test
+        output_type: multiple_choice
+        doc_to_text: "{{{{question}}}}"
+        doc_to_choice: "{{{{choices}}}}"
+        doc_to_target: "{{{{label}}}}"
+        target_delimiter: ""
+        metric_list:
+          - metric: acc
+        """))
+    (root / "k3ray_gen.yaml").write_text(textwrap.dedent(f"""\
+        task: k3ray_gen
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {root / "gen.jsonl"}
+        test_split: test
+        output_type: generate_until
+        doc_to_text: "{{{{prompt}}}}"
+        doc_to_target: "{{{{answer}}}}"
+        target_delimiter: ""
+        generation_kwargs:
+          until: ["\\n"]
+          max_gen_toks: {MAX_GEN_TOKS}
+          do_sample: false
+        metric_list:
+          - metric: exact_match
+        """))
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(server, tasks_dir):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    model_args = (f"model={MODEL},base_url={server}/v1/completions,tokenizer_backend=remote,"
+                  "tokenized_requests=True,num_concurrent=2,batch_size=2,max_retries=1,timeout=120,max_length=1024")
+    return simple_evaluate(model="local-completions", model_args=model_args, tasks=["k3ray_mc", "k3ray_gen"],
+                           task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True,
+                           random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+
+
+@pytest.fixture(scope="module")
+def k3(tiny_checkpoint):
+    return K3.load(tiny_checkpoint)
+
+
+def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's split: trailing context spaces go to the continuation; encode whole, then cut."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole, ctx = tok.encode(context + continuation), tok.encode(context)
+    return ctx, whole[len(ctx):]
+
+
+def test_loglikelihood_task_scores_match_the_model(results, k3):
+    samples = results["samples"]["k3ray_mc"]
+    assert len(samples) == len(MC_DOCS)
+    correct = 0
+    for sample in samples:
+        pairs = [tuple(a) for a in sample["arguments"]]
+        got = [resp[0] for resp in sample["resps"]]
+        ref = [k3.loglikelihood(*encode_pair(k3.tokenizer, c, x)) for c, x in pairs]
+        for (lp, greedy), (ref_lp, ref_greedy) in zip(got, ref):
+            assert float(lp) == pytest.approx(ref_lp, abs=LOGPROB_ATOL) and bool(greedy) == ref_greedy
+        correct += max(range(len(ref)), key=lambda i: ref[i][0]) == sample["doc"]["label"]
+    assert results["results"]["k3ray_mc"]["acc,none"] == pytest.approx(correct / len(MC_DOCS))
+
+
+def test_generate_until_task_matches_greedy_generation(results, k3):
+    tok = k3.tokenizer
+    samples = results["samples"]["k3ray_gen"]
+    assert len(samples) == len(GEN_DOCS)
+    matches = 0
+    for sample in samples:
+        context = sample["arguments"][0][0]
+        ids = k3.generate(tok.encode(context), max_new_tokens=MAX_GEN_TOKS, stop_token_ids=sorted(tok.stop_token_ids))
+        want = tok.decode(ids, skip_special_tokens=True).split("\n")[0].split("[EOS]")[0]
+        assert sample["resps"][0][0] == want
+        matches += want == sample["doc"]["answer"]
+    assert results["results"]["k3ray_gen"]["exact_match,none"] == pytest.approx(matches / len(GEN_DOCS))

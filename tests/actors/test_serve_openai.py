@@ -1,0 +1,222 @@
+"""The live Serve app on loopback, driven by the official `openai` client; greedy outputs and
+echoed prompt logprobs are checked against the tiny K3 run directly (`K3`, no engine, no server)."""
+
+import json
+import socket
+
+import httpx
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from k3ray.api import K3  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+MODEL = "k3-test"
+MAX_MODEL_LEN = 512
+# fp32 on both sides; the server batches and chunks prefill differently, so sums of up to ~40
+# log-probs may differ in the last bits
+LOGPROB_ATOL = 1e-3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    from ray import serve
+
+    from k3ray.actors import serve_launch
+
+    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
+    try:
+        yield serve_launch.deploy(
+            {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
+             "cache_memory_mb": 16, "max_num_seqs": 8},
+            port=free_port(), proxy_location="HeadOnly",
+        )
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def k3(tiny_checkpoint):
+    return K3.load(tiny_checkpoint)
+
+
+def greedy_ids(k3: K3, prompt_ids: list[int], n: int) -> list[int]:
+    """The engine stops at EOS and at <|im_end|> (the tokenizer's end of turn); K3 only at EOS."""
+    return k3.generate(prompt_ids, max_new_tokens=n, stop_token_ids=sorted(k3.tokenizer.stop_token_ids))
+
+
+def expected_text(k3: K3, ids: list[int]) -> str:
+    return k3.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_greedy_matches_model(client, k3):
+    prompt = "The Ray cluster"
+    ids = greedy_ids(k3, k3.tokenizer.encode(prompt), 12)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == expected_text(k3, ids)
+    assert r.usage.prompt_tokens == len(prompt.encode()) and r.usage.completion_tokens == len(ids)
+
+
+def test_token_id_prompts_and_batches_equal_single_requests(client, k3):
+    prompts = [[72, 101, 108, 108, 111], [1, 2, 3, 4, 5, 6, 7], [200, 100]]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    for p, choice in zip(prompts, batch.choices):
+        assert choice.text == expected_text(k3, greedy_ids(k3, p, 6))
+        single = client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+        assert single.choices[0].text == choice.text
+    texts = client.completions.create(model=MODEL, prompt=["Hi", "Ray"], max_tokens=4, temperature=0)
+    assert [c.text for c in texts.choices] == [expected_text(k3, greedy_ids(k3, k3.tokenizer.encode(t), 4))
+                                               for t in ("Hi", "Ray")]
+
+
+def test_n_samples_are_seeded_and_indexed(client):
+    kw = dict(model=MODEL, prompt=["a", "b"], max_tokens=8, temperature=1.0, n=3, seed=7,
+              extra_body={"ignore_eos": True})
+    first, again = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in first.choices] == list(range(6))
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices[:3]}) > 1  # 3 samples at temperature 1 differ
+    assert first.usage.completion_tokens == 2 * 3 * 8  # ignore_eos: every sample runs to max_tokens
+
+
+def test_stop_string_cuts_the_text(client):
+    full = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=24, temperature=0).choices[0].text
+    stop = next((c for c in full[1:] if c.isascii() and c.isprintable()), None)
+    assert stop is not None, f"pick another prompt: no printable ASCII in {full!r}"
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=24, temperature=0, stop=[stop],
+                                      stream=stream)
+        chunks = list(r) if stream else [r]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == full[: full.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_echo_logprobs_as_lm_eval_reads_them(client, k3):
+    context, continuation = k3.tokenizer.encode("The capital of"), k3.tokenizer.encode(" Ray")
+    ids = context + continuation
+    r = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=1, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert r.choices[0].text.startswith("The capital of Ray")
+    assert lp.text_offset[: len(ids)] == list(range(len(ids)))  # one byte-level token per ASCII char
+    # lm-eval: sum(token_logprobs[ctxlen:-1]), greedy iff every token is its position's top logprob
+    logprob = sum(lp.token_logprobs[len(context):-1])
+    greedy = all(t == max(top.values()) for t, top in zip(lp.token_logprobs[len(context):-1],
+                                                         lp.top_logprobs[len(context):-1]))
+    ref_logprob, ref_greedy = k3.loglikelihood(context, continuation)
+    assert logprob == pytest.approx(ref_logprob, abs=LOGPROB_ATOL) and greedy == ref_greedy
+    # every prompt position: its logprob under the model
+    ref = torch.log_softmax(k3.logits(ids), -1)
+    want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=LOGPROB_ATOL)
+    # max_tokens=0: the prompt alone
+    r0 = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=1)
+    assert len(r0.choices[0].logprobs.tokens) == len(ids) and r0.usage.completion_tokens == 0
+    assert r0.choices[0].text == "The capital of Ray"
+
+
+def test_generated_logprobs_are_top_ranked_when_greedy(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == r.usage.completion_tokens == len(lp.token_logprobs) == len(lp.top_logprobs)
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and value == max(top.values())
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_streaming_completion_equals_non_streaming(client, server):
+    kw = dict(model=MODEL, prompt=["Hello", "World"], max_tokens=10, temperature=0)
+    plain = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    for choice in plain.choices:
+        streamed = "".join(c.text for ch in chunks for c in ch.choices if c.index == choice.index)
+        assert streamed == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == plain.usage.total_tokens
+    with httpx.stream("POST", f"{server}/v1/completions", json={**kw, "stream": True}, timeout=60) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert resp.headers["content-type"].startswith("text/event-stream") and lines[-1] == "data: [DONE]"
+
+
+def test_chat_matches_model_and_streams(client, k3):
+    messages = [{"role": "user", "content": "Say hi"}]
+    ids = greedy_ids(k3, k3.tokenizer.encode_chat(messages), 10)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    assert r.choices[0].message.content == expected_text(k3, ids)
+    assert r.usage.prompt_tokens == len(k3.tokenizer.encode_chat(messages)) and r.usage.completion_tokens == len(ids)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(ids) and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy: the top-1 token
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == len(ids)
+
+
+def test_chat_continues_a_trailing_assistant_message(client, k3):
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1 2 3"}]
+    prompt = k3.tokenizer.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.choices[0].message.content == expected_text(k3, greedy_ids(k3, prompt, 5))
+
+
+def test_n_chat_choices(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       n=2, temperature=1.0, seed=1)
+    assert [c.index for c in r.choices] == [0, 1]
+
+
+def test_tokenizer_routes(server, k3):
+    info = httpx.get(f"{server}/tokenizer_info").json()
+    assert info["eos_token"] == "[EOS]" and info["model_max_length"] == MAX_MODEL_LEN
+    tok = httpx.post(f"{server}/tokenize", json={"prompt": "[EOS]hi", "add_special_tokens": False}).json()
+    assert tok == {"count": 3, "max_model_len": MAX_MODEL_LEN, "tokens": [257, 104, 105], "token_strs": None}
+    messages = [{"role": "user", "content": "hey"}]
+    chat = httpx.post(f"{server}/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert chat["tokens"] == k3.tokenizer.encode_chat(messages)
+    assert httpx.post(f"{server}/detokenize", json={"tokens": [104, 105, 257]}).json() == {"prompt": "hi[EOS]"}
+
+
+def test_health_and_metrics(client, server):
+    assert httpx.get(f"{server}/health").status_code == 200
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
+    text = httpx.get(f"{server}/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    label = f'{{model_name="{MODEL}"}}'
+    assert values[f"k3ray:time_to_first_token_seconds_count{label}"] >= 1
+    assert values[f"k3ray:e2e_request_latency_seconds_count{label}"] >= 1
+    assert values[f"k3ray:time_per_output_token_seconds_count{label}"] >= 1
+    assert values[f"k3ray:generation_tokens_total{label}"] >= 3
+    assert values[f"k3ray:num_requests_running{label}"] == 0
+    for name in ("cache_usage_perc", "prefix_cache_hit_rate", "num_requests_waiting", "spec_decode_acceptance_rate"):
+        assert f"k3ray:{name}{label}" in values
+    assert json.loads(httpx.get(f"{server}/v1/models/{MODEL}").text)["id"] == MODEL
