@@ -28,6 +28,9 @@ class ServeArgs(BaseModel):
     stage_cpus: float = Field(1.0, gt=0)
     shard_cpus: float = Field(1.0, gt=0)
     router_cpus: float = Field(0.5, gt=0)
+    stage_gpus: float = Field(0, ge=0, description="GPUs per pipeline-stage actor (0 on CPU clusters)")
+    shard_gpus: float = Field(0, ge=0, description="GPUs per expert-shard actor")
+    replica_gpus: float = Field(0, ge=0, description="GPUs of the replica itself (a local, undistributed model)")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     torch_threads: int | None = Field(None, ge=1)
     # autoscaling (Serve's AutoscalingConfig)
@@ -84,7 +87,8 @@ class ServeArgs(BaseModel):
 
         return ParallelConfig(
             pipeline=self.pipeline, expert_parallel=self.expert_parallel,
-            stage_resources={"CPU": self.stage_cpus}, shard_resources={"CPU": self.shard_cpus},
+            stage_resources=_resources(self.stage_cpus, self.stage_gpus),
+            shard_resources=_resources(self.shard_cpus, self.shard_gpus),
             router_resources={"CPU": self.router_cpus}, placement_strategy=self.placement_strategy,
         )
 
@@ -109,7 +113,7 @@ def deployment_options(args: ServeArgs) -> dict:
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": args.max_ongoing_requests or args.max_num_seqs,
         "max_queued_requests": args.max_queued_requests,
-        "ray_actor_options": {"num_cpus": args.replica_cpus},
+        "ray_actor_options": {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
     }
     if args.max_queued_requests >= 0:
         options["backpressure_config"] = BackpressureConfig(status_code=429, retry_after_s=args.retry_after_s)
@@ -120,6 +124,10 @@ def deployment_options(args: ServeArgs) -> dict:
         assert args.model is not None, "resolve() the args first"
         config = ModelConfig.from_json_file(os.path.join(args.model, "config.json"))
         bundles, _ = actor_bundles(config, args.parallel_config())
-        options["placement_group_bundles"] = [{"CPU": args.replica_cpus}] + bundles
+        options["placement_group_bundles"] = [_resources(args.replica_cpus, args.replica_gpus)] + bundles
         options["placement_group_strategy"] = args.placement_strategy
     return options
+
+
+def _resources(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
