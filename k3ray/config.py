@@ -572,7 +572,14 @@ def k3_tiny_config() -> ModelConfig:
     )
 
 
-PRESETS = {"k3": k3_config, "k3-tiny": k3_tiny_config}
+def k3_micro_config() -> ModelConfig:
+    """The smallest K3-shaped model for fast engine tests: KDA x 3 + MLA, dense FFNs, one MoE layer."""
+    return k3_tiny_config().replace(
+        name="k3-micro", num_layers=4, layer_types=("kda", "kda", "kda", "mla"), first_k_dense_replace=3
+    )
+
+
+PRESETS = {"k3": k3_config, "k3-tiny": k3_tiny_config, "k3-micro": k3_micro_config}
 
 
 def preset(name: str) -> ModelConfig:

@@ -11,19 +11,9 @@ from k3ray.config import preset
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams, SpeculativeConfig
 from k3ray.models.init import build_model
 
-MICRO = preset("k3-tiny").replace(name="k3-micro", num_layers=4, layer_types=("kda", "kda", "kda", "mla"),
-                                  first_k_dense_replace=3)
+MICRO = preset("k3-micro")
 BASES = [list(range(10, 40)), list(range(100, 130)), [7, 7, 7, 8] * 8]
 REQUESTS_PER_EXAMPLE = 40
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: intra-op threads only add synchronisation (and stall on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 # k3-tiny's layer kinds at 4 layers (3 KDA, 1 MLA, one MoE layer): engine logic, not model math
-MICRO = preset("k3-tiny").replace(name="k3-micro", num_layers=4, layer_types=("kda", "kda", "kda", "mla"),
-                                  first_k_dense_replace=3)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: intra-op threads only add synchronisation (and stall on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+MICRO = preset("k3-micro")
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,8 @@ from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
 from k3ray.engine.spec import lookup, verify
 from k3ray.models.init import build_model
 
-MICRO = preset("k3-tiny").replace(name="k3-micro", num_layers=4, layer_types=("kda", "kda", "kda", "mla"),
-                                  first_k_dense_replace=3)
+MICRO = preset("k3-micro")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: intra-op threads only add synchronisation (and stall on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
