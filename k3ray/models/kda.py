@@ -64,6 +64,8 @@ class KimiDeltaAttention(nn.Module):
             q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, -1))
             q, k = l2norm(q, L2_NORM_EPS), l2norm(k, L2_NORM_EPS)
             o = fused_recurrent_kda(q, k, v, g, beta, K**-0.5, state_pool, slots)
+        elif batch.spec_state_slots is not None:
+            o = self._prefill_per_token_states(qkv, g, beta, batch, conv_pool, state_pool)
         else:
             o = self._prefill(qkv, g, beta, batch, conv_pool, state_pool, slots)
         o = gated_rms_norm(o, self.o_norm.weight, self.g_proj(x).view(T, H, K), self.norm_eps)
@@ -75,8 +77,6 @@ class KimiDeltaAttention(nn.Module):
         has_prior = (batch.prior_lens > 0)[:, None, None]
         conv0 = torch.where(has_prior, conv_pool[slots], torch.zeros((), dtype=conv_pool.dtype))
         state0 = torch.where(has_prior[..., None], state_pool[slots], torch.zeros(()))
-        if batch.spec_state_slots is not None:
-            return self._prefill_per_token_states(qkv, g, beta, batch, conv0, state0, conv_pool, state_pool)
         qkv, conv_final = causal_conv1d(qkv, self.conv_weight(), batch.cu_seqlens, conv0)
         q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, -1))
         q, k = l2norm(q, L2_NORM_EPS), l2norm(k, L2_NORM_EPS)
@@ -85,10 +85,10 @@ class KimiDeltaAttention(nn.Module):
         state_pool[slots] = final
         return o
 
-    def _prefill_per_token_states(self, qkv, g, beta, batch, conv0, state0, conv_pool, state_pool) -> torch.Tensor:
+    def _prefill_per_token_states(self, qkv, g, beta, batch, conv_pool, state_pool) -> torch.Tensor:
         """Speculative verification: the state after new token j of sequence i goes to
         spec_state_slots[i, j], so keeping the first a accepted tokens is choosing slot a - 1.
-        The kernels read the initial states from the pools themselves (conv0 / state0 unused)."""
+        The kernels read the initial states from the pools themselves."""
         T = qkv.shape[0]
         H, K = self.num_heads, self.head_dim
         initial_slots = torch.where(batch.prior_lens > 0, batch.state_slots.long(), -1)  # -1: start from zeros
