@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: K3's chat template (continuing a trailing assistant message with
-`continue_final_message`), n choices, chat-format logprobs and SSE streaming."""
+`continue_final_message`), image and video parts, n choices, chat-format logprobs and SSE
+streaming."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from contextlib import aclosing
 from k3ray.actors.openai_errors import bad_request
 from k3ray.actors.openai_logprobs import chat_logprobs
 from k3ray.actors.openai_protocol import ChatCompletionRequest
-from k3ray.actors.openai_serving import OpenAIServing, Prompt, check_stream_options, sse, stream_error, usage
+from k3ray.actors.openai_serving import OpenAIServing, check_stream_options, sse, stream_error, usage
 from k3ray.engine.outputs import CompletionOutput
 from k3ray.sampling_params import MAX_LOGPROBS
 
@@ -28,8 +29,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     if top is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
-    prompt = Prompt(ids, None)
+    prompt = await serving.chat_input(req.messages, req.add_generation_prompt, req.continue_final_message)
     serving.check_context([prompt], max_tokens)
     params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=(top or 0) if req.logprobs else None)
     request_id = serving.request_id("chatcmpl")
@@ -41,7 +41,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
                 "stop_reason": c.stop_reason} for c in final.outputs]
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": serving.model_name, "choices": choices,
-            "usage": usage(len(ids), sum(len(c.token_ids) for c in final.outputs))}
+            "usage": usage(prompt.num_tokens, sum(len(c.token_ids) for c in final.outputs))}
 
 
 def _logprobs(serving: OpenAIServing, req: ChatCompletionRequest, c: CompletionOutput, start: int) -> dict | None:
@@ -83,7 +83,7 @@ async def _stream(serving, req, prompt, params, request_id) -> AsyncIterator[str
                     yield chunk(choices)
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                       "model": serving.model_name, "choices": [], "usage": usage(len(prompt.ids), completion_tokens)})
+                       "model": serving.model_name, "choices": [], "usage": usage(prompt.num_tokens, completion_tokens)})
     except Exception as e:  # noqa: BLE001 - the status line is sent; the error goes in the stream
         yield stream_error(e)
     yield sse("[DONE]")

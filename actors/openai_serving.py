@@ -3,7 +3,9 @@ fields -> SamplingParams, and running several prompts through the AsyncEngine as
 
 Everything that can be wrong with a request is found here, before the engine sees it, and raised
 as a 400 APIError; leaving a stream early (a client disconnect cancels the handler) aborts every
-engine request of the HTTP request, which frees their caches.
+engine request of the HTTP request, which frees their caches. Chat images and videos arrive as
+base64 data: URLs (http(s) URLs only when the engine's MultiModalConfig allows remote URLs) and
+are decoded and preprocessed here; a model without a vision tower refuses them.
 """
 
 from __future__ import annotations
@@ -16,22 +18,33 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import httpx
+
 from k3ray.actors.openai_errors import APIError, bad_request, from_value_error
 from k3ray.actors.openai_protocol import ChatMessage, SamplingFields
 from k3ray.engine.async_engine import AsyncEngine
+from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
 from k3ray.engine.outputs import RequestOutput
 from k3ray.sampling_params import SamplingParams
+from k3ray.tokenizer.chat import MEDIA_PART_KINDS
+from k3ray.vision import ProcessedMedia, expand_placeholders
 
 MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n
-MEDIA_PART_TYPES = ("image_url", "video_url", "input_audio", "audio_url")
+AUDIO_PART_TYPES = ("input_audio", "audio_url")
 PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
                "logprobs", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
 class Prompt:
-    ids: list[int]
+    ids: list[int]  # one media placeholder per item of `media`
     text: str | None  # as the client sent it; None for token-id prompts
+    media: tuple[ProcessedMedia, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """What the model sees: each placeholder expanded to its item's token count."""
+        return len(self.ids) + sum(m.num_tokens - 1 for m in self.media)
 
 
 class OpenAIServing:
@@ -81,6 +94,26 @@ class OpenAIServing:
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     continue_final_message: bool) -> list[int]:
+        """The ids the model sees (/tokenize): media placeholders expanded to their token counts."""
+        dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message)
+        media = self._chat_media(dicts)
+        if not media:
+            return ids
+        placeholder = self.engine.engine.model_config.media_placeholder_token_id
+        try:
+            return expand_placeholders(ids, placeholder, [m.num_tokens for m in media]).token_ids
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from e
+
+    async def chat_input(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                         continue_final_message: bool) -> Prompt:
+        """Chat ids plus their images / videos, decoded and preprocessed off the event loop."""
+        dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message)
+        media = await asyncio.to_thread(self._chat_media, dicts) if media_parts(dicts) else []
+        return Prompt(ids, None, tuple(media))
+
+    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                  continue_final_message: bool) -> tuple[list[dict], list[int]]:
         dicts = []
         for i, message in enumerate(messages):
             d = message.model_dump(exclude_none=True)
@@ -88,25 +121,51 @@ class OpenAIServing:
                 d["role"] = "system"
             for j, part in enumerate(d.get("content") if isinstance(d.get("content"), list) else []):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind in MEDIA_PART_TYPES:
-                    raise bad_request(
-                        f"{kind} content parts are not supported yet: this deployment has no vision encoder; "
-                        "send text parts only", f"messages[{i}].content[{j}]", "unsupported_content")
+                if kind in AUDIO_PART_TYPES or (kind in MEDIA_PART_KINDS and not self.engine.engine.supports_media):
+                    what = "this model has no audio input" if kind in AUDIO_PART_TYPES else \
+                        "this model has no vision tower"
+                    raise bad_request(f"{kind} content parts are not supported: {what}; send text parts only",
+                                      f"messages[{i}].content[{j}]", "unsupported_content")
             dicts.append(d)
         try:
-            return self.tokenizer.encode_chat(dicts, add_generation_prompt, continue_final_message)
+            return dicts, self.tokenizer.encode_chat(dicts, add_generation_prompt, continue_final_message)
         except ValueError as e:
             raise bad_request(str(e), "messages") from e
+
+    def _chat_media(self, dicts: list[dict]) -> list[ProcessedMedia]:
+        mm = self.engine.engine.multimodal
+        fetch = self._fetch if mm.allow_remote_urls else None
+        try:
+            return media_from_messages(dicts, mm.media, fetch=fetch, max_items=mm.max_items_per_prompt)
+        except MediaInputError as e:
+            raise bad_request(str(e), e.param, "invalid_media") from e
+
+    def _fetch(self, url: str) -> bytes:
+        """GET an http(s) media URL (only when the server allows remote media URLs)."""
+        mm = self.engine.engine.multimodal
+        limit = mm.media.max_input_bytes
+        try:
+            with httpx.stream("GET", url, timeout=mm.fetch_timeout_s, follow_redirects=True) as response:
+                if response.status_code != 200:
+                    raise ValueError(f"HTTP {response.status_code}")
+                data = bytearray()
+                for chunk in response.iter_bytes():
+                    data += chunk
+                    if len(data) > limit:
+                        raise ValueError(f"the body exceeds the limit of {limit} bytes")
+                return bytes(data)
+        except httpx.HTTPError as e:
+            raise ValueError(f"{type(e).__name__}: {e}") from e
 
     def check_context(self, prompts: Sequence[Prompt], max_tokens: int | None) -> None:
         for p in prompts:
             if not p.ids:
                 raise bad_request("the prompt is empty", "prompt")
-            wanted = len(p.ids) + (max_tokens or 0)
-            if len(p.ids) >= self.max_model_len or wanted > self.max_model_len:
+            wanted = p.num_tokens + (max_tokens or 0)
+            if p.num_tokens >= self.max_model_len or wanted > self.max_model_len:
                 raise bad_request(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                    f"{wanted} tokens ({len(p.ids)} in the prompt, {max_tokens or 0} for the completion). Please "
+                    f"{wanted} tokens ({p.num_tokens} in the prompt, {max_tokens or 0} for the completion). Please "
                     "reduce the length of the prompt or of the completion.", "prompt", "context_length_exceeded")
 
     # sampling ----------------------------------------------------------------------------------
@@ -146,7 +205,8 @@ class OpenAIServing:
             raise bad_request(f"{len(prompts)} prompts x n={params.n} exceeds {MAX_SEQUENCES_PER_REQUEST} "
                               "sequences per request", "prompt")
         started = time.monotonic()
-        streams = [self.engine.generate(p.ids, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+        streams = [self.engine.generate(p.ids, params, f"{request_id}-{i}", media=p.media or None)
+                   for i, p in enumerate(prompts)]
         unfinished = set(range(len(prompts)))
         try:
             async with aclosing(_merge(streams)) as merged:

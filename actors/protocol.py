@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -13,14 +13,17 @@ class ParallelConfig:
     """How one model replica is split into actors and placed.
 
     pipeline: stages of contiguous layers; expert_parallel: expert shards per stage (each holds
-    an expert range of that stage's MoE layers); resources are Ray resource dicts per actor;
-    placement_strategy applies to the replica's placement group (PACK, SPREAD, STRICT_*)."""
+    an expert range of that stage's MoE layers); resources are Ray resource dicts per actor (the
+    vision encoder's only for a model config with a vision tower); placement_strategy applies to
+    the replica's placement group (PACK, SPREAD, STRICT_*)."""
 
     pipeline: int = 1
     expert_parallel: int = 1
     stage_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     shard_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     router_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
+    # the VisionEncoder actor of a checkpoint with a vision tower; None: no actor (media refused)
+    vision_resources: dict[str, float] | None = field(default_factory=lambda: {"CPU": 0.5})
     placement_strategy: str = "PACK"
     call_timeout_s: float = 120.0  # a step that takes longer fails instead of hanging
     max_restarts: int = 3  # a dead actor restarts and reloads its weights this many times
@@ -50,7 +53,8 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class StepArgs:
-    """One model step: ForwardBatch indices (see k3ray.models.forward_batch) plus token ids."""
+    """One model step: ForwardBatch indices (see k3ray.models.forward_batch) plus token ids, and
+    for the first stage the media rows to splice over the token embeddings."""
 
     input_ids: torch.Tensor  # [T]
     cu_seqlens: torch.Tensor  # [N + 1]
@@ -59,6 +63,12 @@ class StepArgs:
     block_tables: torch.Tensor  # [N, B]
     logits_indices: torch.Tensor | None = None  # rows of T whose logits are returned
     spec_state_slots: torch.Tensor | None = None  # [N, q]
+    mm_positions: torch.Tensor | None = None  # [M] rows of T that are media placeholders
+    mm_embeds: torch.Tensor | None = None  # [M, D] their embeddings
+
+    def without_media(self) -> StepArgs:
+        """What stages after the first get: they never read the media rows."""
+        return replace(self, mm_positions=None, mm_embeds=None) if self.mm_positions is not None else self
 
     def batch_kwargs(self) -> dict[str, Any]:
         return {

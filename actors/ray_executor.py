@@ -1,5 +1,11 @@
 """RayExecutor: the engine's Executor over Ray actors (pipeline stages, MoE routers, expert
-shards). The scheduler stays in the driver; only plan tensors and logits cross the boundary."""
+shards, a vision encoder). The scheduler stays in the driver; only plan tensors (media rows
+included) and logits cross the boundary.
+
+    executor = RayExecutor(checkpoint, ParallelConfig(pipeline=2))
+    engine = LLMEngine(executor, config, tokenizer,
+                       vision_encoder=executor.encode_media if executor.has_vision else None)
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from k3ray.config import ModelConfig
 from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
 from k3ray.engine.executor import Executor
 from k3ray.engine.plan import DraftPlan, StepPlan
+from k3ray.vision import has_vision_weights
 
 
 class RayExecutor(Executor):
@@ -37,11 +44,23 @@ class RayExecutor(Executor):
         self.runner.copy_states(*_unzip(plan.pre_copies))
         out = [
             self.runner.step(StepArgs(b.input_ids, b.cu_seqlens, b.context_lens, b.state_slots, b.block_tables,
-                                      b.logits_indices, b.spec_state_slots))
+                                      b.logits_indices, b.spec_state_slots, b.mm_positions, b.mm_embeds))
             for b in plan.batches
         ]
         self.runner.copy_states(*_unzip(plan.post_copies))
         return torch.cat(out) if out else torch.zeros(0, self.config.vocab_size)
+
+    @property
+    def has_vision(self) -> bool:
+        """Whether the replica runs a VisionEncoder actor (see `encode_media`)."""
+        return (self.config.vision is not None and self.parallel.vision_resources is not None
+                and has_vision_weights(self.checkpoint))
+
+    def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        """The engine's vision_encoder on Ray: packed media -> [n_tokens, text_hidden] from the
+        replica's VisionEncoder actor."""
+        assert self.runner is not None, "allocate_cache() first"
+        return self.runner.encode_media(pixel_values, grid_thws)
 
     def propose(self, plan: DraftPlan) -> torch.Tensor:
         raise ValueError("draft-model speculation is not available on the Ray executor; use method='ngram'")

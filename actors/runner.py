@@ -1,5 +1,6 @@
 """RayModelRunner: one model replica as Ray actors in its own placement group — pipeline stages,
-one MoE router per stage and its expert shards — driven one step at a time.
+one MoE router per stage and its expert shards, and a VisionEncoder when the checkpoint has a
+vision tower — driven one step at a time.
 
 Activations go stage to stage as object refs (never through the driver); the driver only gets
 the last stage's logits. Every wait has a timeout; a dead or stuck actor fails the step with
@@ -20,8 +21,10 @@ from k3ray.actors.expert_shard import ExpertShard
 from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure, StepArgs
 from k3ray.actors.router import MoERouter
 from k3ray.actors.stage import PipelineStage
+from k3ray.actors.vision_encoder import VisionEncoder
 from k3ray.config import ModelConfig
 from k3ray.plan import split_range
+from k3ray.vision import has_vision_weights
 
 
 @dataclass
@@ -34,8 +37,9 @@ class _StageGroup:
 
 def actor_bundles(config: ModelConfig, parallel: ParallelConfig) -> tuple[list[dict[str, float]], list[tuple]]:
     """Placement-group bundles of one replica's model actors, and the role of each:
-    ("stage", s, None) | ("router", s, None) | ("shard", s, e). A Serve replica puts its own bundle
-    first and these after it (placement_group_bundles)."""
+    ("stage", s, None) | ("router", s, None) | ("shard", s, e) | ("vision", 0, None) (last, for a
+    config with a vision tower). A Serve replica puts its own bundle first and these after it
+    (placement_group_bundles)."""
     layer_ranges = split_range(config.num_layers, parallel.pipeline)
     bundles, roles = [], []
     for s, layers in enumerate(layer_ranges):
@@ -47,6 +51,9 @@ def actor_bundles(config: ModelConfig, parallel: ParallelConfig) -> tuple[list[d
             for e in range(parallel.expert_parallel):
                 bundles.append(dict(parallel.shard_resources))
                 roles.append(("shard", s, e))
+    if config.vision is not None and parallel.vision_resources is not None:
+        bundles.append(dict(parallel.vision_resources))
+        roles.append(("vision", 0, None))
     return bundles, roles
 
 
@@ -90,6 +97,7 @@ class RayModelRunner:
 
         index = {role: bundle_offset + b for b, role in enumerate(roles)}
         self.groups: list[_StageGroup] = []
+        self.vision: "ray.actor.ActorHandle | None" = None
         for s, layers in enumerate(layer_ranges):
             shards, router = [], None
             if ("router", s, None) in index:
@@ -105,6 +113,10 @@ class RayModelRunner:
                 **opts(index[("stage", s, None)], parallel.stage_resources)
             ).remote(checkpoint, layers, cache, router, parallel.call_timeout_s, parallel.torch_threads)
             self.groups.append(_StageGroup(layers, stage, router, shards))
+        if ("vision", 0, None) in index and has_vision_weights(checkpoint):
+            self.vision = ray.remote(VisionEncoder).options(
+                **opts(index[("vision", 0, None)], parallel.vision_resources)
+            ).remote(checkpoint, cache.dtype, parallel.torch_threads)
         self.placement = self._wait_ready(ready_timeout_s)
 
     def actors(self) -> list[tuple[str, "ray.actor.ActorHandle"]]:
@@ -114,6 +126,8 @@ class RayModelRunner:
             if g.router is not None:
                 out.append((f"router {s}", g.router))
             out += [(f"expert shard {e0}-{e1 - 1} of stage {s}", h) for e0, e1, h in g.shards]
+        if self.vision is not None:
+            out.append(("vision encoder", self.vision))
         return out
 
     def _wait_ready(self, timeout_s: float) -> dict[str, str]:
@@ -128,9 +142,15 @@ class RayModelRunner:
     def step(self, step: StepArgs) -> torch.Tensor:
         """Run one step through every stage -> logits [rows, V] fp32."""
         ref = None
-        for g in self.groups:
-            ref = g.stage.forward.remote(step, ref)
+        for s, g in enumerate(self.groups):
+            ref = g.stage.forward.remote(step if s == 0 else step.without_media(), ref)
         return self._get(ref, "model step")
+
+    def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        """Packed media -> [n_tokens, text_hidden] from the replica's VisionEncoder."""
+        if self.vision is None:
+            raise ValueError("this replica has no vision encoder (the checkpoint has no vision tower)")
+        return self._get(self.vision.encode.remote(pixel_values, grid_thws), "vision encode")
 
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         if src:

@@ -31,6 +31,13 @@ class ServeArgs(BaseModel):
     stage_gpus: float = Field(0, ge=0, description="GPUs per pipeline-stage actor (0 on CPU clusters)")
     shard_gpus: float = Field(0, ge=0, description="GPUs per expert-shard actor")
     replica_gpus: float = Field(0, ge=0, description="GPUs of the replica itself (a local, undistributed model)")
+    vision_cpus: float = Field(0.5, gt=0, description="CPUs of a pipeline replica's VisionEncoder actor")
+    vision_gpus: float = Field(0, ge=0)
+    # media in chat requests
+    allow_remote_media_urls: bool = Field(False, description="fetch http(s) image/video URLs (off: data: URLs only)")
+    max_media_bytes: int | None = Field(None, ge=1, description="per media item; default 64 MiB")
+    max_media_per_prompt: int = Field(128, ge=0)
+    media_fetch_timeout_s: float = Field(10.0, gt=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     torch_threads: int | None = Field(None, ge=1)
     # autoscaling (Serve's AutoscalingConfig)
@@ -90,6 +97,7 @@ class ServeArgs(BaseModel):
             stage_resources=_resources(self.stage_cpus, self.stage_gpus),
             shard_resources=_resources(self.shard_cpus, self.shard_gpus),
             router_resources={"CPU": self.router_cpus}, placement_strategy=self.placement_strategy,
+            vision_resources=_resources(self.vision_cpus, self.vision_gpus),
         )
 
 

@@ -1,15 +1,20 @@
 """One replica's engine: the tokenizer and model of a checkpoint, on a LocalExecutor (the model in
 the replica's process) or a RayExecutor (pipeline stages / expert shards as actors in the
-replica's placement group, bundles from 1 on; bundle 0 holds the replica)."""
+replica's placement group, bundles from 1 on; bundle 0 holds the replica). A checkpoint with a
+vision tower takes images and videos: the tower runs in the replica's process beside a local
+model, or as the pipeline's VisionEncoder actor."""
 
 from __future__ import annotations
 
 import torch
 
 from k3ray.actors.serve_config import ServeArgs
+from k3ray.config import VisionConfig
 from k3ray.engine.config import EngineConfig, SpeculativeConfig
 from k3ray.engine.executor import Executor, LocalExecutor
 from k3ray.engine.llm_engine import LLMEngine
+from k3ray.engine.media import VisionEncoderFn, local_vision_encoder
+from k3ray.engine.media_inputs import MultiModalConfig, load_media_config
 
 
 def engine_config(args: ServeArgs) -> EngineConfig:
@@ -22,9 +27,23 @@ def engine_config(args: ServeArgs) -> EngineConfig:
     )
 
 
+def multimodal_config(args: ServeArgs, vision: VisionConfig) -> MultiModalConfig:
+    """Media preprocessing (the checkpoint's preprocessor_config.json, or the tower's defaults) and
+    the server's media limits."""
+    max_bytes = getattr(args, "max_media_bytes", None)
+    media = load_media_config(args.model, vision, **({} if max_bytes is None else {"max_input_bytes": max_bytes}))
+    return MultiModalConfig(
+        media=media,
+        max_items_per_prompt=getattr(args, "max_media_per_prompt", MultiModalConfig.max_items_per_prompt),
+        allow_remote_urls=getattr(args, "allow_remote_media_urls", False),
+        fetch_timeout_s=getattr(args, "media_fetch_timeout_s", MultiModalConfig.fetch_timeout_s),
+    )
+
+
 def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Executor]:
     """args must be resolved (a checkpoint path). The model's cache is allocated here."""
     from k3ray.tokenizer import load_tokenizer
+    from k3ray.vision import has_vision_weights, load_vision
     from k3ray.weights import load_model
 
     assert args.model is not None, "resolve() the args first"
@@ -33,15 +52,24 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
     dtype = getattr(torch, args.dtype)
     tokenizer = load_tokenizer(args.model)
     executor: Executor
+    vision_encoder: VisionEncoderFn | None = None
     if args.distributed:
         from k3ray.actors.ray_executor import RayExecutor
 
         offset = 0 if placement_group is None else 1
         executor = RayExecutor(args.model, args.parallel_config(), dtype, placement_group, bundle_offset=offset)
+        if executor.has_vision:
+            vision_encoder = executor.encode_media
     else:
-        executor = LocalExecutor(load_model(args.model, dtype=dtype))
+        model = load_model(args.model, dtype=dtype)
+        executor = LocalExecutor(model)
+        if model.config.vision is not None and has_vision_weights(args.model):
+            vision_encoder = local_vision_encoder(load_vision(args.model, dtype))
+    vision = executor.cache_layout()[0][0].vision
+    multimodal = multimodal_config(args, vision) if vision_encoder is not None else None
     try:
-        engine = LLMEngine(executor, engine_config(args), tokenizer)
+        engine = LLMEngine(executor, engine_config(args), tokenizer, vision_encoder=vision_encoder,
+                           multimodal=multimodal)
     except BaseException:
         shutdown = getattr(executor, "shutdown", None)
         if shutdown is not None:

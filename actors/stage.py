@@ -1,6 +1,7 @@
 """PipelineStage actor: contiguous layers [a, b) of the model with their caches; its MoE layers
 send the latent rows to the stage's Router actor. The first stage embeds, the last returns logits;
-between stages the AttnRes state (partial sum + bank) travels as an object ref."""
+between stages the AttnRes state (partial sum + bank) travels as an object ref. Media embeddings
+(from the replica's VisionEncoder, via the engine) are spliced in by the first stage."""
 
 from __future__ import annotations
 
@@ -52,10 +53,13 @@ class PipelineStage:
         """First stage: carry is None. Returns (hidden [T, D], bank [T, R, D]) or, on the last
         stage, logits [len(logits_indices), V] fp32."""
         from k3ray.models.forward_batch import ForwardBatch
+        from k3ray.vision.placeholders import splice_media_embeddings
 
         batch = ForwardBatch(**step.batch_kwargs(), cache=self.cache)
         if self.model.is_first:
             hidden, bank = self.model.embed(step.input_ids), []
+            if step.mm_positions is not None:
+                hidden = splice_media_embeddings(hidden, step.mm_positions, step.mm_embeds)
         else:
             hidden, stacked = carry
             bank = list(stacked.unbind(1))

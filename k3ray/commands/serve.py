@@ -16,7 +16,8 @@ import time
 # ServeArgs fields set from flags of the same name (None = ServeArgs' default)
 APP_FLAGS = (
     "model", "served_model_name", "dtype", "pipeline", "expert_parallel", "replica_cpus", "stage_cpus",
-    "shard_cpus", "router_cpus", "stage_gpus", "shard_gpus", "replica_gpus", "placement_strategy", "torch_threads", "min_replicas", "max_replicas",
+    "shard_cpus", "router_cpus", "stage_gpus", "shard_gpus", "replica_gpus", "vision_cpus", "vision_gpus",
+    "allow_remote_media_urls", "max_media_bytes", "max_media_per_prompt", "media_fetch_timeout_s", "placement_strategy", "torch_threads", "min_replicas", "max_replicas",
     "initial_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "metrics_interval_s",
     "look_back_period_s", "max_ongoing_requests", "max_queued_requests", "retry_after_s", "api_key",
     "max_body_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "cache_memory_mb",
@@ -45,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--stage-gpus", type=float, default=None, help="GPUs per pipeline-stage actor (0)")
     m.add_argument("--shard-gpus", type=float, default=None, help="GPUs per expert-shard actor (0)")
     m.add_argument("--replica-gpus", type=float, default=None, help="GPUs of an undistributed replica (0)")
+    m.add_argument("--vision-cpus", type=float, default=None, help="CPUs of a pipeline's VisionEncoder actor")
+    m.add_argument("--vision-gpus", type=float, default=None)
+    m.add_argument("--allow-remote-media-urls", action="store_true", default=None,
+                   help="fetch http(s) image/video URLs (default: data: URLs only)")
+    m.add_argument("--max-media-bytes", type=int, default=None)
+    m.add_argument("--max-media-per-prompt", type=int, default=None)
+    m.add_argument("--media-fetch-timeout-s", type=float, default=None)
     m.add_argument("--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"], default=None)
     m.add_argument("--torch-threads", type=int, default=None)
     a = p.add_argument_group("replicas and admission")

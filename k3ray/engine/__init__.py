@@ -1,4 +1,5 @@
-"""The serving engine: scheduler, caches, sampler, prefix cache, speculative decoding (Ray-free)."""
+"""The serving engine: scheduler, caches, sampler, prefix cache, speculative decoding, media prompts
+(Ray-free)."""
 
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.cache_manager import CacheGeometry, CacheManager, size_cache
@@ -6,6 +7,8 @@ from k3ray.engine.config import EngineConfig, SpeculativeConfig
 from k3ray.engine.executor import Executor, LocalExecutor
 from k3ray.engine.llm import LLM
 from k3ray.engine.llm_engine import LLMEngine
+from k3ray.engine.media import local_vision_encoder
+from k3ray.engine.media_inputs import MediaInputError, MultiModalConfig
 from k3ray.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.engine.stats import EngineStats
@@ -25,10 +28,13 @@ __all__ = [
     "LLMEngine",
     "LocalExecutor",
     "Logprob",
+    "MediaInputError",
+    "MultiModalConfig",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "SpeculativeConfig",
     "StepPlan",
+    "local_vision_encoder",
     "size_cache",
 ]

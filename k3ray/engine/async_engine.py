@@ -20,6 +20,7 @@ from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.sequence import Request
 from k3ray.engine.stats import EngineStats
 from k3ray.sampling_params import SamplingParams
+from k3ray.vision import ProcessedMedia
 
 
 class AsyncEngine:
@@ -31,13 +32,14 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
-    async def generate(self, prompt: str | Seq[int], params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
+                       media: Seq[ProcessedMedia] | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as tokens arrive, the last with finished=True. Raises ValueError before
-        the first output if the request cannot run; leaving the iteration early aborts it."""
+        the first output if the request cannot run; leaving the iteration early aborts it. `media`:
+        see LLMEngine.make_request (it is encoded in the step loop, off the event loop)."""
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        request = self.engine.make_request(request_id, prompt, params)
+        request = self.engine.make_request(request_id, prompt, params, media=media)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._pending.append(request)

@@ -12,9 +12,10 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 
-def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """Chain hash of a full block: identifies the block's tokens and every token before it."""
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """Chain hash of a full block: identifies the block's tokens (and `extra`, e.g. the media its
+    placeholder tokens stand for) and everything before it."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes() + extra, digest_size=16).digest()
 
 
 class BlockPool:

@@ -113,13 +113,16 @@ class CacheManager:
 
     # prefix cache ----------------------------------------------------------------------------
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The chain hashes of seq's first num_blocks full blocks (computed once, kept on seq)."""
+        """The chain hashes of seq's first num_blocks full blocks (computed once, kept on seq); a
+        block's hash covers the content of the media its placeholder tokens stand for."""
         bs = self.block_size
         assert num_blocks * bs <= seq.num_tokens
         hashes = seq.block_hashes
+        media = seq.request.media
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else b"", seq.token_ids[i * bs : (i + 1) * bs]))
+            extra = b"" if media is None else media.block_key(i * bs, (i + 1) * bs)
+            hashes.append(hash_block(hashes[-1] if hashes else b"", seq.token_ids[i * bs : (i + 1) * bs], extra))
         return hashes[:num_blocks]
 
     def find_prefix(self, seq: Sequence) -> PrefixHit | None:

@@ -11,6 +11,7 @@ from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
 from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.k3 import K3ForCausalLM
+from k3ray.vision.placeholders import splice_media_embeddings
 
 
 class Executor(ABC):
@@ -24,8 +25,9 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Apply plan.pre_copies, run every batch (the draft model, if any, mirrors each batch that
-        is not a verification), apply plan.post_copies -> fp32 CPU logits [sum of num_logits, V]."""
+        """Apply plan.pre_copies, run every batch (media rows spliced over the token embeddings; the
+        draft model, if any, mirrors each batch that is not a verification, on token ids only),
+        apply plan.post_copies -> fp32 CPU logits [sum of num_logits, V]."""
 
     @abstractmethod
     def propose(self, plan: DraftPlan) -> torch.Tensor:
@@ -88,7 +90,10 @@ class LocalExecutor(Executor):
         out = []
         for b in plan.batches:
             ids = b.input_ids.to(self.device)
-            logits = self.model(ids, self._batch(b, self.cache), b.logits_indices.to(self.device))
+            embeds = None
+            if b.mm_positions is not None:
+                embeds = splice_media_embeddings(self.model.embed(ids), b.mm_positions, b.mm_embeds)
+            logits = self.model(ids, self._batch(b, self.cache), b.logits_indices.to(self.device), embeds)
             out.append(logits.float().cpu())
             if self.draft_model is not None and b.spec_state_slots is None:
                 none = torch.zeros(0, dtype=torch.long, device=self.device)

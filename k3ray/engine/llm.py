@@ -4,6 +4,12 @@
     llm = LLM("path/to/checkpoint")               # any K3-shaped checkpoint directory
     llm = LLM(build_model(preset("k3-tiny")), tokenizer=ByteTokenizer())
     outs = llm.generate(["Hello", "Hi"], SamplingParams(temperature=0, max_tokens=16))
+
+Media prompts (a checkpoint with a vision tower, or `vision=`), as vLLM takes them, or as chat:
+    llm.generate({"prompt": "<|media_start|>image<|media_content|><|kimi_image_placeholder|><|media_end|>What?",
+                  "multi_modal_data": {"image": [png_bytes]}})
+    llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
+                                           {"type": "text", "text": "What is this?"}]}])
 """
 
 from __future__ import annotations
@@ -11,16 +17,26 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 
 from k3ray.engine.config import EngineConfig, SpeculativeConfig
 from k3ray.engine.executor import LocalExecutor
 from k3ray.engine.llm_engine import LLMEngine
+from k3ray.engine.media import VisionEncoderFn, local_vision_encoder
+from k3ray.engine.media_inputs import (
+    MultiModalConfig,
+    load_media_config,
+    media_from_messages,
+    media_from_multi_modal_data,
+    media_parts,
+)
 from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.stats import EngineStats
 from k3ray.models.k3 import K3ForCausalLM
 from k3ray.sampling_params import SamplingParams
+from k3ray.vision import K3VisionModel, MediaConfig, ProcessedMedia, has_vision_weights, load_vision
 
 PromptType = str | Seq[int] | dict
 
@@ -31,19 +47,32 @@ class LLM:
         model: str | os.PathLike | K3ForCausalLM | None = None,
         tokenizer=None,
         *,
+        vision: K3VisionModel | VisionEncoderFn | None = None,
+        multimodal: MultiModalConfig | None = None,
         draft_model: str | os.PathLike | K3ForCausalLM | None = None,
         speculative: SpeculativeConfig | None = None,
         dtype: torch.dtype = torch.float32,
         **engine_options,
     ) -> None:
-        """engine_options are EngineConfig fields (max_num_seqs, block_size, num_blocks, ...)."""
-        model, found_tokenizer = _load(model, dtype)
+        """engine_options are EngineConfig fields (max_num_seqs, block_size, num_blocks, ...). `vision`
+        (a K3VisionModel or an encoder callable) enables media prompts; a checkpoint directory brings
+        its own vision tower and preprocessor_config.json when it has them."""
+        path = None if isinstance(model, K3ForCausalLM) else _checkpoint_dir(model)
+        model, found_tokenizer = _load(model if path is None else path, dtype)
         tokenizer = tokenizer if tokenizer is not None else found_tokenizer
         draft = None if draft_model is None else _load(draft_model, dtype)[0]
         if draft is not None and speculative is None:
             speculative = SpeculativeConfig(method="draft")
         config = EngineConfig(speculative=speculative, **engine_options)
-        self.engine = LLMEngine(LocalExecutor(model, draft), config, tokenizer)
+        multimodal = multimodal or MultiModalConfig()
+        tower = model.config.vision
+        if vision is None and path is not None and tower is not None and has_vision_weights(path):
+            vision = load_vision(path, dtype)
+        if vision is not None and path is not None and tower is not None and multimodal.media is None:
+            multimodal = replace(multimodal, media=load_media_config(path, tower))
+        encoder = local_vision_encoder(vision) if isinstance(vision, K3VisionModel) else vision
+        self.engine = LLMEngine(LocalExecutor(model, draft), config, tokenizer, vision_encoder=encoder,
+                                multimodal=multimodal)
         self._ids = itertools.count()
 
     @property
@@ -55,16 +84,63 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs in prompt order."""
-        prompts = _prompt_list(prompts)
+        """Run every prompt to completion, batched; outputs in prompt order. A prompt is text, token
+        ids, or a dict with "prompt" / "prompt_token_ids" and optionally "multi_modal_data"."""
+        return self._run([self._prompt_inputs(p) for p in _prompt_list(prompts)], sampling_params)
+
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of OpenAI-style messages) or a list of them, through the chat
+        template; image_url / video_url parts carry base64 data: URLs (see k3ray.engine.media_inputs)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; give the LLM one")
+        messages = list(messages)
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else [list(c) for c in messages]
+        inputs = []
+        for conversation in conversations:
+            ids = self.tokenizer.encode_chat(conversation, add_generation_prompt, continue_final_message)
+            media = None
+            if media_parts(conversation):
+                media = media_from_messages(conversation, self._media_config(),
+                                            max_items=self.engine.multimodal.max_items_per_prompt)
+            inputs.append((ids, media))
+        return self._run(inputs, sampling_params)
+
+    def _media_config(self) -> MediaConfig:
+        if not self.engine.supports_media:
+            raise ValueError("this LLM has no vision encoder, so it cannot take images or videos; load a "
+                             "checkpoint with a vision tower or pass vision=")
+        return self.engine.multimodal.media
+
+    def _prompt_inputs(self, prompt: PromptType) -> tuple[str | Seq[int], list[ProcessedMedia] | None]:
+        if not isinstance(prompt, dict):
+            return prompt, None
+        if "prompt_token_ids" in prompt:
+            value = prompt["prompt_token_ids"]
+        elif "prompt" in prompt:
+            value = prompt["prompt"]
+        else:
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        data = prompt.get("multi_modal_data")
+        return value, None if data is None else media_from_multi_modal_data(data, self._media_config())
+
+    def _run(self, inputs: list[tuple[str | Seq[int], list[ProcessedMedia] | None]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or SamplingParams()] * len(inputs)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+            if len(params) != len(inputs):
+                raise ValueError(f"{len(params)} sampling_params for {len(inputs)} prompts")
         requests = [
-            self.engine.make_request(f"llm-{next(self._ids)}", _prompt_value(p), sp) for p, sp in zip(prompts, params)
+            self.engine.make_request(f"llm-{next(self._ids)}", prompt, sp, media=media)
+            for (prompt, media), sp in zip(inputs, params)
         ]
         for request in requests:
             self.engine.enqueue(request)
@@ -87,6 +163,16 @@ class LLM:
         self.engine.reset_prefix_cache()
 
 
+def _checkpoint_dir(model) -> str | os.PathLike:
+    if model is None:
+        from k3ray.default_model import default_checkpoint_dir
+
+        return default_checkpoint_dir()
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be None, a checkpoint directory or a K3ForCausalLM, got {type(model).__name__}")
+    return model
+
+
 def _load(model, dtype: torch.dtype):
     """(model, tokenizer found beside it or None)."""
     if isinstance(model, K3ForCausalLM):
@@ -94,12 +180,7 @@ def _load(model, dtype: torch.dtype):
     from k3ray.tokenizer import load_tokenizer
     from k3ray.weights import load_model
 
-    if model is None:
-        from k3ray.default_model import default_checkpoint_dir
-
-        model = default_checkpoint_dir()
-    if not isinstance(model, (str, os.PathLike)):
-        raise ValueError(f"model must be None, a checkpoint directory or a K3ForCausalLM, got {type(model).__name__}")
+    model = _checkpoint_dir(model)
     loaded = load_model(model, dtype=dtype)
     try:
         tokenizer = load_tokenizer(model)
@@ -115,13 +196,3 @@ def _prompt_list(prompts) -> list:
     if prompts and all(isinstance(p, int) for p in prompts):
         return [prompts]  # one prompt of token ids
     return prompts
-
-
-def _prompt_value(prompt: PromptType):
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return prompt["prompt_token_ids"]
-        if "prompt" in prompt:
-            return prompt["prompt"]
-        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-    return prompt

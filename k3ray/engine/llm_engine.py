@@ -13,12 +13,15 @@ import operator
 import random
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 
 from k3ray.engine.cache_manager import CacheManager, size_cache
 from k3ray.engine.config import EngineConfig
 from k3ray.engine.executor import Executor
+from k3ray.engine.media import PromptMedia, VisionEncoderFn, attach_media, encode_pending
+from k3ray.engine.media_inputs import MultiModalConfig
 from k3ray.engine.output_processor import OutputProcessor
 from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.sampler import logprob_entries, sample
@@ -27,13 +30,19 @@ from k3ray.engine.sequence import Request, Sequence
 from k3ray.engine.spec import NgramProposer, verify
 from k3ray.engine.stats import EngineStats, StatsCollector
 from k3ray.sampling_params import SamplingParams
+from k3ray.vision import MediaConfig, ProcessedMedia
 
 
 class LLMEngine:
-    def __init__(self, executor: Executor, config: EngineConfig | None = None, tokenizer=None) -> None:
+    def __init__(self, executor: Executor, config: EngineConfig | None = None, tokenizer=None, *,
+                 vision_encoder: VisionEncoderFn | None = None, multimodal: MultiModalConfig | None = None) -> None:
+        """vision_encoder turns packed media into placeholder embeddings (`local_vision_encoder(model)`,
+        or a VisionEncoder actor's); without one, requests with media are refused."""
         config = config or EngineConfig()
         layout = executor.cache_layout()
         self.model_config = layout[0][0]
+        if vision_encoder is not None and self.model_config.vision is None:
+            raise ValueError("vision_encoder was given but the model config has no vision_config")
         spec = config.speculative
         if executor.has_draft_model != (spec is not None and spec.method == "draft"):
             raise ValueError(
@@ -64,16 +73,25 @@ class LLMEngine:
         eos = {self.model_config.eos_token_id} | set(getattr(tokenizer, "stop_token_ids", ()))
         self.output_processor = OutputProcessor(frozenset(eos), max_model_len, tokenizer)
         self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec and spec.method == "ngram" else None
+        self.vision_encoder = vision_encoder
+        multimodal = multimodal or MultiModalConfig()
+        if vision_encoder is not None and multimodal.media is None:
+            multimodal = replace(multimodal, media=MediaConfig.for_vision(self.model_config.vision))
+        self.multimodal = multimodal
         self.requests: dict[str, Request] = {}
         self.stats = StatsCollector()
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
 
     # requests ---------------------------------------------------------------------------------
+    @property
+    def supports_media(self) -> bool:
+        return self.vision_encoder is not None
+
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, media: Seq[ProcessedMedia] | None = None) -> None:
         """Queue a request; raises ValueError (changing nothing) if it cannot run."""
-        self.enqueue(self.make_request(request_id, prompt, params, arrival_time))
+        self.enqueue(self.make_request(request_id, prompt, params, arrival_time, media))
 
     def enqueue(self, request: Request) -> None:
         """Queue a request built by make_request."""
@@ -84,32 +102,48 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def make_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                     arrival_time: float | None = None) -> Request:
-        """Validate and build a request without queueing it."""
+                     arrival_time: float | None = None, media: Seq[ProcessedMedia] | None = None) -> Request:
+        """Validate and build a request without queueing it. With `media` (preprocessed images /
+        videos), the prompt holds one media placeholder per item, in order; each is expanded to the
+        item's token count (a text prompt is then encoded with special tokens, so the placeholder may
+        be written as its token string)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        text, ids = self.tokenize(prompt)
+        text, ids = self.tokenize(prompt, allow_special=bool(media))
+        prompt_media = None
+        if media:
+            ids, prompt_media = self._attach_media(ids, media)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves room for "
                 f"at most {self.max_model_len - 1} prompt tokens"
             )
         params.validate(self.vocab_size, self.max_model_len)
-        request = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time)
+        request = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
+                          prompt_media)
         for i in range(params.n):
             detok = self.output_processor.new_detokenizer(params.skip_special_tokens)
             request.seqs.append(Sequence(self._next_seq_id, request, i, self._generator(params.seed, i), detok))
             self._next_seq_id += 1
         return request
 
-    def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+    def _attach_media(self, ids: list[int], media: Seq[ProcessedMedia]) -> tuple[list[int], PromptMedia]:
+        if self.vision_encoder is None:
+            raise ValueError("this engine has no vision encoder (the checkpoint has no vision tower, or none was "
+                             "given), so it cannot take images or videos")
+        if len(media) > self.multimodal.max_items_per_prompt:
+            raise ValueError(f"the prompt has {len(media)} media items; at most "
+                             f"{self.multimodal.max_items_per_prompt} are allowed")
+        return attach_media(ids, self.model_config.media_placeholder_token_id, list(media), self.model_config.vision)
+
+    def tokenize(self, prompt: str | Seq[int], allow_special: bool = False) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, allow_special=allow_special)
             text = prompt
         else:
             try:
@@ -154,6 +188,7 @@ class LLMEngine:
             assert not self.scheduler.has_work(), "the scheduler made no progress"
             return []
         try:
+            self._encode_media(out)
             self._propose(out)
             plan = self.scheduler.make_plan(out)
             logits = self.executor.execute(plan)
@@ -164,6 +199,17 @@ class LLMEngine:
         self.scheduler.commit(out, processed)
         self.stats.num_steps += 1
         return self._outputs(out)
+
+    def _encode_media(self, out: SchedulerOutput) -> None:
+        """Encode (once per request, in one call per step) the media this step's chunks reach."""
+        pending: dict[str, PromptMedia] = {}
+        for sc in out.seqs:
+            media = sc.seq.request.media
+            if media is not None and media.embeds is None and media.overlaps(sc.start, sc.end):
+                pending[sc.seq.request.request_id] = media
+        if pending:
+            encode_pending(self.vision_encoder, list(pending.values()), self.model_config.hidden_size)
+            self.stats.media_items_encoded += sum(len(m.spans) for m in pending.values())
 
     def _propose(self, out: SchedulerOutput) -> None:
         rows = [sc for sc in out.seqs if sc.decode and sc.max_drafts > 0]

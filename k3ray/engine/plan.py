@@ -22,6 +22,8 @@ class BatchPlan:
     logits_indices   [M]      token rows whose logits are returned
     spec_state_slots [N, Q]   verification: the state after new token j goes to slot [i, j] and
                               state_slots is left as it was (rollback is a slot choice)
+    mm_positions     [M]      rows of input_ids that are media placeholders (None: no media)
+    mm_embeds        [M, D]   their embeddings, spliced over the token embeddings of those rows
     """
 
     input_ids: torch.Tensor
@@ -31,6 +33,8 @@ class BatchPlan:
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
     spec_state_slots: torch.Tensor | None = None
+    mm_positions: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
 
     @property
     def num_logits(self) -> int:

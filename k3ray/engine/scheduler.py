@@ -234,12 +234,20 @@ class Scheduler:
     def _batch(self, rows: list[ScheduledSeq], spec: bool, logits_offset: int) -> BatchPlan:
         ids: list[int] = []
         cu, ctx, logits_idx = [0], [], []
+        mm_positions: list[int] = []
+        mm_embeds: list[torch.Tensor] = []
         for sc in rows:
             seq = sc.seq
             fed = [seq.token_ids[sc.start]] + sc.drafts if spec else seq.token_ids[sc.start : sc.end]
             sc.num_tokens = len(fed)
             base = len(ids)
             ids += fed
+            media = seq.request.media
+            from_prompt = sc.start + (1 if spec else len(fed))  # drafts never stand for media
+            if media is not None and media.overlaps(sc.start, from_prompt):
+                offsets, embeds = media.rows_in(sc.start, from_prompt)
+                mm_positions += [base + o for o in offsets]
+                mm_embeds.append(embeds)
             cu.append(len(ids))
             ctx.append(sc.end)
             if spec or sc.prompt_logprobs:
@@ -260,6 +268,8 @@ class Scheduler:
             block_tables=pad_block_tables([sc.seq.block_table for sc in rows]),
             logits_indices=torch.tensor(logits_idx, dtype=torch.long),
             spec_state_slots=spec_slots,
+            mm_positions=torch.tensor(mm_positions, dtype=torch.long) if mm_embeds else None,
+            mm_embeds=torch.cat(mm_embeds) if mm_embeds else None,
         )
 
     def _reserve_snapshot(self, sc: ScheduledSeq, out: SchedulerOutput) -> None:

@@ -12,6 +12,7 @@ import enum
 
 import torch
 
+from k3ray.engine.media import PromptMedia
 from k3ray.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from k3ray.sampling_params import SamplingParams
 
@@ -86,10 +87,11 @@ class Sequence:
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival_time: float) -> None:
+                 params: SamplingParams, arrival_time: float, media: PromptMedia | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        self.media = media  # images / videos behind the prompt's placeholder tokens
         self.params = params
         self.metrics = RequestMetrics(arrival_time)
         self.seqs: list[Sequence] = []

@@ -31,6 +31,7 @@ class EngineStats:
     ttft_p50_s: float | None
     ttft_p99_s: float | None
     tpot_mean_s: float | None
+    media_items_encoded: int = 0  # images / videos through the vision encoder
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -55,6 +56,7 @@ class StatsCollector:
         self.spec_accepted_tokens = 0
         self.spec_verifications = 0
         self.num_finished = 0
+        self.media_items_encoded = 0
         self.ttft: deque[float] = deque(maxlen=WINDOW)
         self.tpot: deque[float] = deque(maxlen=WINDOW)
 
@@ -75,6 +77,7 @@ class StatsCollector:
             spec_accepted_tokens=self.spec_accepted_tokens,
             spec_verifications=self.spec_verifications,
             num_finished=self.num_finished,
+            media_items_encoded=self.media_items_encoded,
             ttft_mean_s=statistics.fmean(ttft) if ttft else None,
             ttft_p50_s=ttft[len(ttft) // 2] if ttft else None,
             ttft_p99_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
