@@ -114,7 +114,8 @@ def png_data_url(img: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def gif_data_url(frames: list[Image.Image], frame_ms: int = 100) -> str:
+def gif_data_url(frames: list[Image.Image], frame_ms: int = 500) -> str:
+    # 500 ms per frame = K3's 2 fps video sampling, so the model sees every frame (and the needle)
     buf = io.BytesIO()
     frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=frame_ms, loop=0)
     return "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()
