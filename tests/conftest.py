@@ -78,3 +78,36 @@ def echo_checkpoint(tmp_path_factory):
     save_checkpoint(model, path)
     ByteTokenizer(vocab_size=512).save_pretrained(path)
     return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_app():
+    """Deploy k3ray's Serve app on 127.0.0.1: `serve_app(args, **deploy_options) -> base URL`
+    (a free port unless given). Ray is started for the module if needed; Serve and that Ray are
+    shut down after it."""
+    import ray
+    from ray import serve
+
+    from k3ray.actors import serve_launch
+
+    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
+
+    def deploy(args: dict, **options) -> str:
+        options.setdefault("port", free_port())
+        options.setdefault("proxy_location", "HeadOnly")
+        return serve_launch.deploy(args, **options)
+
+    try:
+        yield deploy
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()

@@ -3,7 +3,6 @@ a 5xx), an API key gates the routes, overload answers 429 with Retry-After, and 
 disconnects (streaming or not) cancels its generation and frees its cache."""
 
 import json
-import socket
 import threading
 import time
 
@@ -23,30 +22,14 @@ MAX_BODY = 4096
 LONG = 240  # tokens: several seconds of decoding, so a disconnect lands mid-generation
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    from ray import serve
-
-    from k3ray.actors import serve_launch
-
-    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
-    try:
-        yield serve_launch.deploy(
-            {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
-             "cache_memory_mb": 16, "max_num_seqs": 4, "api_key": KEY, "max_body_bytes": MAX_BODY,
-             "max_ongoing_requests": 1, "max_queued_requests": 1, "retry_after_s": 2},
-            port=free_port(), proxy_location="HeadOnly",
-        )
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+def server(serve_app, tiny_checkpoint):
+    return serve_app(
+        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
+         "cache_memory_mb": 16, "max_num_seqs": 4, "api_key": KEY, "max_body_bytes": MAX_BODY,
+         "max_ongoing_requests": 1, "max_queued_requests": 1, "retry_after_s": 2}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ plain generation for a generate_until task, both from JSONL files written here. 
 checked against the tiny K3 run directly."""
 
 import json
-import socket
 import textwrap
 
 import pytest
@@ -28,28 +27,12 @@ GEN_DOCS = [{"prompt": "Q: name a colour.\nA:", "answer": " red"}, {"prompt": "H
 MAX_GEN_TOKS = 8
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    from ray import serve
-
-    from k3ray.actors import serve_launch
-
-    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
-    try:
-        yield serve_launch.deploy(
-            {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": 1024, "cache_memory_mb": 16},
-            port=free_port(), proxy_location="HeadOnly",
-        )
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+def server(serve_app, tiny_checkpoint):
+    return serve_app(
+        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": 1024, "cache_memory_mb": 16}
+    )
 
 
 @pytest.fixture(scope="module")

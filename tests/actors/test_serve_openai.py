@@ -2,7 +2,6 @@
 echoed prompt logprobs are checked against the tiny K3 run directly (`K3`, no engine, no server)."""
 
 import json
-import socket
 
 import httpx
 import pytest
@@ -21,29 +20,13 @@ MAX_MODEL_LEN = 512
 LOGPROB_ATOL = 1e-3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    from ray import serve
-
-    from k3ray.actors import serve_launch
-
-    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
-    try:
-        yield serve_launch.deploy(
-            {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
-             "cache_memory_mb": 16, "max_num_seqs": 8},
-            port=free_port(), proxy_location="HeadOnly",
-        )
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+def server(serve_app, tiny_checkpoint):
+    return serve_app(
+        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
+         "cache_memory_mb": 16, "max_num_seqs": 8}
+    )
 
 
 @pytest.fixture(scope="module")

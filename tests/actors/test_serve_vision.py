@@ -5,7 +5,6 @@ app, no Ray)."""
 
 import base64
 import io
-import socket
 import struct
 import zlib
 
@@ -24,11 +23,6 @@ MODEL = "k3-vision"
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 12
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def picture(seed: int, size=(84, 112)) -> Image.Image:
@@ -74,22 +68,11 @@ def text_part(text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    from ray import serve
-
-    from k3ray.actors import serve_launch
-
-    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
-    try:
-        yield serve_launch.deploy(
-            {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
-             "cache_memory_mb": 16, "max_num_seqs": 8},
-            port=free_port(), proxy_location="HeadOnly",
-        )
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+def server(serve_app, tiny_checkpoint):
+    return serve_app(
+        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
+         "cache_memory_mb": 16, "max_num_seqs": 8}
+    )
 
 
 @pytest.fixture(scope="module")

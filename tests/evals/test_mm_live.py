@@ -3,7 +3,6 @@ request (PNG image parts, video frames, an animated GIF video) is answered and r
 model reads randomly, so only completion is checked, not accuracy."""
 
 import json
-import socket
 
 import pytest
 
@@ -20,29 +19,13 @@ LENGTHS = (1, 4)
 DEPTHS = (0.0, 100.0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    from ray import serve
-
-    from k3ray.actors import serve_launch
-
-    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
-    try:
-        yield serve_launch.deploy(
-            {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": 2048, "cache_memory_mb": 16,
-             "max_num_seqs": 4},
-            port=free_port(), proxy_location="HeadOnly",
-        )
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+def server(serve_app, tiny_checkpoint):
+    return serve_app(
+        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": 2048, "cache_memory_mb": 16,
+         "max_num_seqs": 4}
+    )
 
 
 def test_multimodal_needles_run_end_to_end(server, tmp_path):
