@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
 
 
 def _prefill(model, ids: torch.Tensor, n_seqs: int) -> tuple[ModelCache, torch.Tensor]:
@@ -37,6 +38,8 @@ def _prefill(model, ids: torch.Tensor, n_seqs: int) -> tuple[ModelCache, torch.T
 
 def run(args: argparse.Namespace) -> dict:
     config = preset(args.preset)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
