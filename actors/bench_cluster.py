@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> dict:
     from k3ray.weights import load_model
 
     ckpt = args.model or default_checkpoint_dir()
+    torch.set_num_threads(ParallelConfig().torch_threads)  # the same as each actor: a fair comparison
     B, prompt = args.batch, 8
     spec = CacheSpec(num_state_slots=B, num_blocks=B * 8, block_size=BLOCK)
     local = load_model(ckpt, torch.float32).eval()
