@@ -19,12 +19,15 @@ torch.set_num_threads(1)  # tiny shapes: threads cost more than they give, and 2
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
+    """`gpu` tests skip without CUDA; `slow` tests (1M-token runs) run only when `-m` names them."""
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_slow = pytest.mark.skip(reason="slow: select with -m slow")
+    run_slow = "slow" in (config.getoption("-m") or "")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
 
 
 

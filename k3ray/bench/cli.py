@@ -12,6 +12,7 @@ BENCHMARKS = {
     "kernels": ("k3ray.bench.kernels", "per-op kernel timings at K3 and tiny shapes"),
     "cluster": ("k3ray.actors.bench_cluster", "decode local vs Ray actors, pipeline hop and MoE dispatch cost"),
     "engine": ("k3ray.bench.engine", "continuous batching, prefix caching, speculative decoding, long prompts"),
+    "serve": ("k3ray.evals.serve_bench.cli", "served TTFT / TPOT / ITL / throughput vs the in-process engine"),
 }
 
 

@@ -3,6 +3,10 @@
 Writes OUT/results.jsonl (one record per cell; --resume skips finished cells), OUT/summary.json,
 OUT/heatmap.png, OUT/report.md and OUT/report.html. `--oracle right|wrong` replaces the endpoint
 with a built-in reader that answers everything right (or wrong), to check the harness offline.
+
+`k3ray eval lm-eval --tasks ...`: lm-evaluation-harness tasks against an endpoint (its stock
+`local-completions` model) or a checkpoint in this process (k3ray's `k3ray` lm-eval model), with
+k3ray's offline task YAMLs on the include path; writes lm-eval's results JSON under --out.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ SUITE_HELP = {
     "ruler": "RULER-style synthetic tasks: niah variants, variable tracking, common and frequent words",
     "mm": "multimodal needles: a code card among N images or on one of N video frames",
 }
+LM_EVAL_HELP = "lm-evaluation-harness tasks against an endpoint (local-completions) or a checkpoint in process"
 DEFAULT_LENGTHS = {"niah": "4k,8k,16k,32k", "ruler": "4k", "mm": "4,16"}
 DEFAULT_DEPTHS = {"niah": ",".join(str(d) for d in range(0, 101, 10)), "ruler": "", "mm": "0,50,100"}
 _SUFFIXES = {"k": 1 << 10, "m": 1 << 20}
@@ -82,6 +87,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--executor", choices=EXECUTORS, default="auto",
                        help="threads, or Ray tasks (auto: Ray when RAY_ADDRESS is set or Ray is initialised)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_lm_eval_arguments(suites.add_parser("lm-eval", help=LM_EVAL_HELP, description=LM_EVAL_HELP))
+
+
+def add_lm_eval_arguments(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    where.add_argument("--checkpoint", help="no server: run this checkpoint directory in this process")
+    p.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (shipped offline: "
+                   "k3ray_mc, k3ray_gen, k3ray_ppl, k3ray_niah)")
+    p.add_argument("--model", help="served model name (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default $OPENAI_API_KEY)")
+    p.add_argument("--max-length", type=int, help="context tokens (default: the server's / engine's max_model_len)")
+    p.add_argument("--num-concurrent", type=int, default=4, help="requests in flight (endpoint)")
+    p.add_argument("--timeout", type=int, default=7200, help="seconds per HTTP request (endpoint)")
+    p.add_argument("--max-retries", type=int, default=3)
+    p.add_argument("--limit", type=float, help="docs per task (a fraction below 1)")
+    p.add_argument("--out", help="directory for lm-eval's results JSON (and samples)")
+    p.add_argument("--include-path", action="append", default=[], help="more task YAML folders")
+    p.add_argument("--metadata", default="{}", help='JSON for the tasks, e.g. \'{"max_seq_lengths": [131072]}\'')
+    p.add_argument("--log-samples", action="store_true", help="also write every request and response")
+    p.add_argument("--apply-chat-template", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
 
 
 def _target(args: argparse.Namespace):
@@ -96,7 +123,45 @@ def _target(args: argparse.Namespace):
     return OpenAITarget(args.endpoint, args.model, api_key=args.api_key, timeout=args.timeout)
 
 
+def lm_eval_main(args: argparse.Namespace) -> int:
+    import json
+
+    from lm_eval.utils import make_table
+
+    from k3ray.evals import lm_eval_bridge as bridge
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    try:
+        metadata = json.loads(args.metadata)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--metadata must be a JSON object, got {args.metadata!r}: {e}") from None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"--metadata must be a JSON object, got {args.metadata!r}")
+    if args.endpoint is not None:
+        info = bridge.probe_server(args.endpoint, args.model, args.api_key)
+        model, model_args = "local-completions", bridge.local_completions_args(
+            info, max_length=args.max_length, num_concurrent=args.num_concurrent, timeout=args.timeout,
+            max_retries=args.max_retries, api_key=args.api_key)
+        if not info.remote_tokenizer:
+            print(f"k3ray eval: {info.root} has no /tokenizer_info + /tokenize: text prompts, no tokenizer "
+                  "(loglikelihood tasks cannot run)", file=sys.stderr)
+    else:
+        model, model_args = "k3ray", {"pretrained": args.checkpoint}
+        if args.max_length is not None:
+            model_args["max_length"] = args.max_length
+    results, path = bridge.run_lm_eval(
+        tasks, model, model_args, out_dir=args.out, include_path=args.include_path, limit=args.limit,
+        metadata=metadata, log_samples=args.log_samples, apply_chat_template=args.apply_chat_template,
+        seed=args.seed)
+    print(make_table(results))
+    if path is not None:
+        print(f"results in {path}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.suite == "lm-eval":
+        return lm_eval_main(args)
     from k3ray.evals.openai_target import EndpointError
     from k3ray.evals.runner import RunConfig, run_eval
     from k3ray.evals.tasks import SUITES

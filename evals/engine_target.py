@@ -1,0 +1,97 @@
+"""A `Target` over an in-process engine: the same prompts, tokens and greedy answers as k3ray's
+OpenAI server gives for the same checkpoint, without HTTP.
+
+    target = EngineTarget(LLM("path/to/checkpoint"))
+    run_eval(config, target, "out/", ...)   # with executor="threads": the engine lives here
+
+Text prompts are encoded as the server's /tokenize and /v1/completions encode them (special-token
+strings become special ids); chat prompts go through the tokenizer's chat template with a
+generation prompt, as /v1/chat/completions does. Calls from several threads share the engine:
+each waiting caller steps it in turn, so concurrent cells are batched together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+
+from k3ray.engine.llm import LLM
+from k3ray.engine.llm_engine import LLMEngine
+from k3ray.engine.outputs import RequestOutput
+from k3ray.evals.target import Prompt
+from k3ray.sampling_params import SamplingParams
+
+MEDIA_PART_TYPES = ("image_url", "video_url", "input_audio", "audio_url")
+
+
+class EngineTarget:
+    def __init__(self, engine: LLM | LLMEngine, tokenizer=None, *, name: str | None = None,
+                 max_context: int | None = None) -> None:
+        llm_engine = engine.engine if isinstance(engine, LLM) else engine
+        if not isinstance(llm_engine, LLMEngine):
+            raise ValueError(f"engine must be an LLM or an LLMEngine, got {type(engine).__name__}")
+        tokenizer = llm_engine.tokenizer if tokenizer is None else tokenizer
+        if tokenizer is None:
+            raise ValueError("the engine has no tokenizer; pass tokenizer= (the checkpoint's tokenizer)")
+        if max_context is not None and not 1 < max_context <= llm_engine.max_model_len:
+            raise ValueError(f"max_context must be in [2, {llm_engine.max_model_len}] (the engine's "
+                             f"max_model_len), got {max_context}")
+        self.engine = llm_engine
+        self.tokenizer = tokenizer
+        self.max_context = max_context or llm_engine.max_model_len
+        self.name = name or f"engine:{llm_engine.model_config.name}"
+        self._lock = threading.Lock()
+        self._finished: dict[str, RequestOutput] = {}
+        self._ids = itertools.count()
+
+    def __reduce__(self):
+        raise TypeError("EngineTarget holds an in-process engine and cannot be sent to another process; "
+                        "run the eval with executor='threads'")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, allow_special=True)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        messages = []
+        for i, message in enumerate(prompt):
+            message = dict(message)
+            if message.get("role") == "developer":
+                message["role"] = "system"
+            content = message.get("content")
+            for part in content if isinstance(content, list) else []:
+                if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
+                    raise ValueError(f"messages[{i}] has a {part['type']} part: EngineTarget runs text models only")
+            messages.append(message)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True, continue_final_message=False)
+
+    def complete(self, prompt: Prompt, max_tokens: int) -> str:
+        """The greedy completion of `prompt`, at most `max_tokens` tokens (EOS and stop tokens end it)."""
+        ids = self.prompt_ids(prompt)
+        if len(ids) + max_tokens > self.max_context:
+            raise ValueError(f"the prompt has {len(ids)} tokens; with max_tokens={max_tokens} it needs "
+                             f"{len(ids) + max_tokens}, more than max_context={self.max_context}")
+        return self.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens)).outputs[0].text
+
+    def generate(self, ids: Sequence[int], params: SamplingParams) -> RequestOutput:
+        """Run one request to its end, batched with whatever other threads are running."""
+        request_id = f"target-{next(self._ids)}"
+        with self._lock:
+            self.engine.add_request(request_id, list(ids), params)
+        while True:
+            with self._lock:
+                if request_id in self._finished:
+                    return self._finished.pop(request_id)
+                try:
+                    outputs = self.engine.step()
+                except BaseException:
+                    self.engine.abort_request(request_id)
+                    raise
+                for out in outputs:
+                    if out.finished:
+                        self._finished[out.request_id] = out

@@ -1,0 +1,84 @@
+"""One streamed completion, timed on the client: TTFT, the gaps between chunks (ITL) and the
+end-to-end latency, with the output token count from the final `usage` chunk.
+
+TTFT is the time to the first SSE chunk carrying a choice; each later choice chunk adds one ITL
+entry (a chunk may hold several tokens when their text is held back, e.g. an unfinished UTF-8
+character); E2EL runs from sending the request to the end of the stream (`data: [DONE]`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from k3ray.evals.serve_bench.datasets import BenchRequest
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    success: bool = False
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    start_time: float = 0.0
+    queue_time: float = 0.0
+    generated_text: str = ""
+    error: str = ""
+
+
+def completion_payload(model: str, request: BenchRequest, extra_body: dict | None = None) -> dict:
+    return {"model": model, "prompt": list(request.prompt_ids), "max_tokens": request.output_len,
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **(extra_body or {})}
+
+
+async def stream_completion(client: httpx.AsyncClient, model: str, request: BenchRequest,
+                            extra_body: dict | None = None) -> RequestResult:
+    """POST /v1/completions with stream=true; never raises for a failed request (see `error`)."""
+    result = RequestResult(prompt_len=request.prompt_len)
+    payload = completion_payload(model, request, extra_body)
+    pieces: list[str] = []
+    result.start_time = start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:500]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                now = time.perf_counter()
+                if "error" in chunk:
+                    result.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
+                    return result
+                if chunk.get("choices"):
+                    if not pieces:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    pieces.append(chunk["choices"][0].get("text") or "")
+                if chunk.get("usage"):
+                    result.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+        result.latency = time.perf_counter() - start
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.generated_text = "".join(pieces)
+    if not pieces:
+        result.error = "the stream carried no completion chunk"
+    elif result.output_tokens == 0:
+        result.error = "the stream carried no usage (send stream_options.include_usage)"
+    else:
+        result.success = True
+    return result

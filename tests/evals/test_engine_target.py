@@ -1,0 +1,98 @@
+"""EngineTarget: the eval `Target` over an in-process engine (no server, no Ray). Greedy answers
+are checked against the plain K3 model API (`k3ray.api.K3`), which shares no code with the engine."""
+
+import json
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from k3ray.api import K3
+from k3ray.engine import LLM
+from k3ray.evals.engine_target import EngineTarget
+from k3ray.evals.runner import RunConfig, run_eval
+from k3ray.evals.target import Target
+
+pytestmark = pytest.mark.timeout(300)
+MAX_TOKENS = 6
+PROMPTS = ["Hello, world", "The cat sat on the", "1, 2, 3,", "Q: why?\nA:", "<|im_end|> special", "x"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(tiny_checkpoint, max_model_len=1024, cache_memory_bytes=16 * 1024**2)
+
+
+@pytest.fixture(scope="module")
+def target(llm):
+    return EngineTarget(llm)
+
+
+@pytest.fixture(scope="module")
+def k3(tiny_checkpoint):
+    return K3.load(tiny_checkpoint)
+
+
+def greedy_text(k3, ids, max_tokens):
+    tok = k3.tokenizer
+    out = k3.generate(ids, max_new_tokens=max_tokens, stop_token_ids=sorted(tok.stop_token_ids))
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def test_it_is_a_target_that_counts_what_the_server_counts(target, llm):
+    assert isinstance(target, Target)
+    tok = llm.tokenizer
+    ids = target.tokenize("a<|im_end|>b")
+    # the server's /tokenize and /v1/completions parse special-token strings into their ids
+    assert ids == [ord("a"), tok.special_tokens["<|im_end|>"], ord("b")]
+    assert ids == tok.encode("a<|im_end|>b", allow_special=True)
+    assert target.detokenize(target.tokenize("Hello, world")) == "Hello, world"
+    assert target.max_context == 1024 and target.name.startswith("engine:")
+
+
+def test_complete_is_the_models_greedy_continuation(target, k3):
+    for prompt in PROMPTS:
+        assert target.complete(prompt, MAX_TOKENS) == greedy_text(k3, target.tokenize(prompt), MAX_TOKENS)
+
+
+def test_threads_share_one_engine_and_get_their_own_answers(target):
+    alone = [target.complete(p, MAX_TOKENS) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: target.complete(p, MAX_TOKENS), PROMPTS))
+    assert together == alone
+    assert not target.engine.has_unfinished_requests()
+
+
+def test_chat_prompts_use_the_chat_template(target, llm, k3):
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    expected = llm.tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, messages[1]],
+                                         add_generation_prompt=True, continue_final_message=False)
+    assert target.prompt_ids(messages) == expected
+    assert target.complete(messages, MAX_TOKENS) == greedy_text(k3, expected, MAX_TOKENS)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    with pytest.raises(ValueError, match="image_url"):
+        target.complete(image, MAX_TOKENS)
+
+
+def test_prompts_past_the_context_are_refused(target, llm):
+    with pytest.raises(ValueError, match="max_context=1024"):
+        target.complete("x" * 1020, MAX_TOKENS)
+    with pytest.raises(ValueError, match="max_context"):
+        EngineTarget(llm, max_context=4096)
+    with pytest.raises(ValueError, match="LLM or an LLMEngine"):
+        EngineTarget("http://127.0.0.1:8000")
+
+
+def test_it_cannot_be_shipped_to_another_process(target):
+    with pytest.raises(TypeError, match="executor='threads'"):
+        pickle.dumps(target)
+
+
+def test_a_niah_grid_runs_through_the_runner(target, tmp_path):
+    config = RunConfig(tasks=("niah",), lengths=(512,), depths=(0.0, 100.0), concurrency=2, executor="threads")
+    summary = run_eval(config, target, tmp_path, progress=False)
+    assert summary["n"] == 2 and summary["errors"] == 0
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["prompt_tokens"] for r in records) == [512, 512]
+    for r in records:
+        assert r["score"] in (0.0, 1.0)

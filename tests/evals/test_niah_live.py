@@ -1,0 +1,119 @@
+"""`k3ray eval niah` end to end through the live Serve app (tiny K3, loopback), and EngineTarget:
+the same grid on the replica's engine rebuilt in this process gives the same records.
+
+The 1,048,576-token cell is `slow` (not in default CI): on the tiny model on 2 CPU cores its
+prefill grows quadratically (MLA layers attend to the whole context): 12 s at 16,384 tokens and
+386 s at 65,536 measured, so about 27 hours at 1,048,576; peak RSS about 1.5 GiB."""
+
+import json
+import socket
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from k3ray.cli import main as k3ray_main  # noqa: E402
+from k3ray.evals.engine_target import EngineTarget  # noqa: E402
+from k3ray.evals.oracle import OracleTarget  # noqa: E402
+from k3ray.evals.runner import RunConfig, run_eval  # noqa: E402
+from k3ray.evals.tasks import get_task  # noqa: E402
+from k3ray.evals.tasks.base import Cell  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+MODEL = "k3-niah"
+LENGTHS, DEPTHS = (512, 1024), (0.0, 50.0, 100.0)
+RECORD_FIELDS = ("prompt_sha256", "prompt_tokens", "needle_depth", "answers", "max_tokens", "prediction", "score")
+REPORT_FILES = {"results.jsonl", "config.json", "summary.json", "heatmap.png", "report.md", "report.html"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_args(checkpoint: str) -> dict:
+    return {"model": checkpoint, "served_model_name": MODEL, "max_model_len": 2048, "cache_memory_mb": 32}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    from ray import serve
+
+    from k3ray.actors import serve_launch
+
+    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
+    try:
+        yield serve_launch.deploy(serve_args(tiny_checkpoint), port=free_port(), proxy_location="HeadOnly")
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def endpoint_run(server, tmp_path_factory):
+    out = tmp_path_factory.mktemp("niah_live")
+    rc = k3ray_main(["eval", "niah", "--endpoint", server, "--model", MODEL, "--lengths", "512,1k",
+                     "--depths", "0,50,100", "--out", str(out), "--executor", "threads", "--concurrency", "6",
+                     "--no-progress"])
+    return rc, out
+
+
+def records(out) -> dict[str, dict]:
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return {r["key"]: r for r in rows}
+
+
+def test_a_niah_grid_runs_through_the_live_serve_app(endpoint_run):
+    rc, out = endpoint_run
+    assert rc == 0
+    assert {p.name for p in out.iterdir()} == REPORT_FILES
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lengths"] == list(LENGTHS) and summary["depths"] == list(DEPTHS)
+    assert summary["n"] == 6 and summary["errors"] == 0
+    assert len(summary["grid"]) == 2 and all(len(row) == 3 for row in summary["grid"])
+    assert all(0.0 <= v <= 1.0 for row in summary["grid"] for v in row)
+    assert (out / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    got = records(out)
+    assert sorted(r["prompt_tokens"] for r in got.values()) == sorted(LENGTHS * 3)
+    assert all(r["error"] is None and r["prediction"] for r in got.values())
+
+
+def test_engine_target_gives_the_endpoints_records(endpoint_run, tiny_checkpoint, tmp_path):
+    from k3ray.actors.serve_config import ServeArgs
+    from k3ray.actors.serve_engine import build_engine
+
+    _, out = endpoint_run
+    engine, _ = build_engine(ServeArgs.model_validate(serve_args(tiny_checkpoint)).resolved())
+    config = RunConfig(tasks=("niah",), lengths=LENGTHS, depths=DEPTHS, concurrency=6, executor="threads")
+    summary = run_eval(config, EngineTarget(engine), tmp_path, progress=False)
+    assert summary["errors"] == 0
+    served, local = records(out), records(tmp_path)
+    assert served.keys() == local.keys()
+    for key in served:
+        # greedy fp32 on the same engine settings: token for token the same answer
+        assert {f: local[key][f] for f in RECORD_FIELDS} == {f: served[key][f] for f in RECORD_FIELDS}, key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(12 * 3600)
+def test_a_million_token_niah_cell_on_the_tiny_model(tiny_checkpoint, tmp_path, request):
+    if "slow" not in request.config.getoption("markexpr", ""):
+        pytest.skip("a day of CPU: runs only when selected with -m slow")  # nothing in conftest skips `slow`
+    from k3ray.engine import LLM
+
+    length = 1_048_576
+    llm = LLM(tiny_checkpoint, max_model_len=length, cache_memory_bytes=1024**3, max_num_seqs=1,
+              max_num_batched_tokens=8192)
+    target = EngineTarget(llm)
+    config = RunConfig(tasks=("niah",), lengths=(length,), depths=(50.0,), reserve_generation=True,
+                       concurrency=1, executor="threads")
+    summary = run_eval(config, target, tmp_path, progress=False)
+    (record,) = records(tmp_path).values()
+    assert summary["errors"] == 0 and record["error"] is None, record.get("error")
+    task = get_task("niah")
+    assert record["prompt_tokens"] == length - task.max_tokens
+    item = task.build(Cell("niah", length, 50.0), target, 0, reserve_generation=True)
+    assert len(target.tokenize(item.prompt)) == length - task.max_tokens
+    assert OracleTarget().read(item.prompt) == ", ".join(record["answers"])
