@@ -26,18 +26,6 @@ PREFILL_IMPLS = [pytest.param(causal_conv1d_triton, id="triton"), pytest.param(c
 SPEC_IMPLS = [pytest.param(causal_conv1d_spec_triton, id="triton"), pytest.param(causal_conv1d_spec_cpu, id="cpu")]
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty / empty_like return NaN-filled tensors, so an unwritten output element fails."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan_fill(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan_fill(empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_fill(empty_like(*a, **kw)))
-
-
 def _data(lens, D, W=4, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     cu = torch.tensor([0] + lens).cumsum(0)
