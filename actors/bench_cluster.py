@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from k3ray.actors.protocol import CacheSpec, ParallelConfig
     from k3ray.actors.runner import RayModelRunner
+    from k3ray.actors.wire import pack
     from k3ray.default_model import default_checkpoint_dir
     from k3ray.models.forward_batch import ForwardBatch, ModelCache
     from k3ray.weights import load_model
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
         # one pipeline hop: a decode step's carry (hidden + bank) relayed through the stages
         stages = [g.stage for g in runner.groups]
         D = local.config.hidden_size
-        carry = (torch.randn(B, D), torch.randn(B, 4, D))
+        carry = (pack(torch.randn(B, D)), pack(torch.randn(B, 4, D)))
 
         def relay_chain():
             ref = carry
@@ -117,7 +118,8 @@ def run(args: argparse.Namespace) -> dict:
         x = torch.randn(B, D)
         weights, ids = moe.gate(x)
         h = moe.routed_expert_down_proj(x).detach()
-        dispatch_ms = _median_ms(lambda: ray.get(router.dispatch.remote(layer, h, ids, weights)), 20 * args.repeats)
+        wire = (pack(h), pack(ids), pack(weights))
+        dispatch_ms = _median_ms(lambda: ray.get(router.dispatch.remote(layer, *wire)), 20 * args.repeats)
         with torch.no_grad():
             expert_ms = _median_ms(lambda: moe.experts(h, ids, weights), 20 * args.repeats)
         moe_layers = sum(local.config.is_moe_layer(i) for i in range(local.config.num_layers))
@@ -160,7 +162,7 @@ def _compiled_graph(runner, B: int, prompt: int, args, local_ms, tokens) -> dict
         return {"error": f"{type(e).__name__}: {e}"[:300]}
     try:
         def loop():
-            ray.get(dag.execute(_prefill_args(B, prompt)), timeout=120)
+            ray.get(dag.execute(_prefill_args(B, prompt)), timeout=120)  # logits come back packed
             for s in range(args.steps):
                 ray.get(dag.execute(_decode_args(B, s, prompt)), timeout=120)
 

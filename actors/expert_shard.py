@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3ray.actors.wire import Packed, pack, unpack
 from k3ray.config import ModelConfig
 
 
@@ -47,9 +48,9 @@ class ExpertShard:
         self.layer_range, self.expert_range = layer_range, expert_range
 
     @torch.no_grad()
-    def compute(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def compute(self, layer_idx: int, h: Packed, ids: Packed, weights: Packed) -> Packed:
         """h [T, Dl] rows routed here -> partial y [T, Dl] fp32 from experts [e0, e1)."""
-        return self.container.experts(layer_idx)(h, ids, weights)
+        return pack(self.container.experts(layer_idx)(unpack(h), unpack(ids), unpack(weights)))
 
     def ready(self) -> dict:
         import ray

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ray
 import torch
 
+from k3ray.actors.wire import Packed, pack, unpack
+
 
 class MoERouter:
     def __init__(self, shards: list[tuple[int, int, "ray.actor.ActorHandle"]], num_experts: int,
@@ -18,21 +20,22 @@ class MoERouter:
         self.calls = 0
 
     @torch.no_grad()
-    def dispatch(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def dispatch(self, layer_idx: int, h: Packed, ids: Packed, weights: Packed) -> Packed:
         """h [T, Dl], ids / weights [T, k] -> y [T, Dl] fp32 (sum over all shards)."""
+        h, ids, weights = unpack(h), unpack(ids), unpack(weights)
         pending = []
         for e0, e1, shard in self.shards:
             rows = ((ids >= e0) & (ids < e1)).any(-1).nonzero().squeeze(-1)  # [T_s]
             if rows.numel():
-                pending.append((rows, shard.compute.remote(layer_idx, h[rows], ids[rows], weights[rows])))
+                pending.append((rows, shard.compute.remote(layer_idx, pack(h[rows]), pack(ids[rows]), pack(weights[rows]))))
         y = torch.zeros(h.shape, dtype=torch.float32)
         if pending:
             parts = ray.get([ref for _, ref in pending], timeout=self.timeout)
             for (rows, _), part in zip(pending, parts):
-                y.index_add_(0, rows, part)
+                y.index_add_(0, rows, unpack(part))
         self.load += torch.bincount(ids.flatten(), minlength=self.load.numel())
         self.calls += 1
-        return y
+        return pack(y)
 
     def expert_load(self) -> list[int]:
         return self.load.tolist()

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from k3ray.actors.expert_shard import ExpertShard
 from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure, StepArgs
 from k3ray.actors.router import MoERouter
+from k3ray.actors.wire import unpack
 from k3ray.actors.stage import PipelineStage
 from k3ray.actors.vision_encoder import VisionEncoder
 from k3ray.config import ModelConfig
@@ -144,7 +145,7 @@ class RayModelRunner:
         ref = None
         for s, g in enumerate(self.groups):
             ref = g.stage.forward.remote(step if s == 0 else step.without_media(), ref)
-        return self._get(ref, "model step")
+        return unpack(self._get(ref, "model step"))
 
     def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """Packed media -> [n_tokens, text_hidden] from the replica's VisionEncoder."""
