@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from k3ray.kernels.mla.cpu import mla_decode_cpu, mla_prefill_cpu, mla_prefill_paged_cpu
+from k3ray.kernels.mla.cpu import (
+    mla_decode_cpu,
+    mla_prefill_cpu,
+    mla_prefill_paged_chunked,
+    mla_prefill_paged_cpu,
+)
 
 
 def mla_prefill(
@@ -78,7 +83,7 @@ def mla_prefill_paged(
 ) -> torch.Tensor:
     """Long-context prefill of one sequence in the absorbed form, straight from the paged cache
     with bounded memory: q_latent [Tq, H, L + R] (the last Tq of prior_len + Tq positions) ->
-    [Tq, H, L]. The key-chunked PyTorch path serves CPU and CUDA tensors alike."""
+    [Tq, H, L]. CPU tensors take ATen's CPU flash attention; others the key-chunked PyTorch path."""
     if q_latent.dim() != 3 or cache.dim() != 2 or cache.shape[-1] != q_latent.shape[-1]:
         raise ValueError(
             f"expected q_latent [Tq, H, L + R] and cache [slots, L + R]; got {list(q_latent.shape)} "
@@ -86,4 +91,6 @@ def mla_prefill_paged(
         )
     if prior_len < 0:
         raise ValueError(f"prior_len must be >= 0, got {prior_len}")
-    return mla_prefill_paged_cpu(q_latent, cache, block_table, prior_len, block_size, kv_lora_rank, scale)
+    if q_latent.device.type == "cpu":
+        return mla_prefill_paged_cpu(q_latent, cache, block_table, prior_len, block_size, kv_lora_rank, scale)
+    return mla_prefill_paged_chunked(q_latent, cache, block_table, prior_len, block_size, kv_lora_rank, scale)

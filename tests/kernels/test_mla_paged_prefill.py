@@ -1,10 +1,11 @@
-"""Key-chunked absorbed MLA prefill over a paged cache == the naive absorbed form (fp64)."""
+"""Absorbed MLA prefill over a paged cache (key-chunked PyTorch and CPU flash) == the naive
+absorbed form."""
 
 import pytest
 import torch
 
 from k3ray.kernels.mla import mla_prefill_paged
-from k3ray.kernels.mla.cpu import mla_prefill_paged_cpu
+from k3ray.kernels.mla.cpu import mla_prefill_paged_chunked, mla_prefill_paged_cpu
 from k3ray.kernels.mla.naive import absorbed_mla_attention
 
 
@@ -21,8 +22,9 @@ def test_paged_prefill_matches_naive(prior, tq, chunk):
     cache[table[pos // bs] * bs + pos % bs] = lat
     q = torch.randn(tq, H, L + R, generator=gen, dtype=torch.float64)
     ref = absorbed_mla_attention(q, lat, L, 0.2)
-    out = mla_prefill_paged_cpu(q, cache, table, prior, bs, L, 0.2, chunk=chunk)
-    assert (out - ref).abs().max().item() <= 1e-12  # fp64: only summation order differs
+    for impl in (mla_prefill_paged_chunked, mla_prefill_paged_cpu):
+        out = impl(q, cache, table, prior, bs, L, 0.2, chunk=chunk)
+        assert (out - ref).abs().max().item() <= 1e-12  # fp64: only summation order differs
     assert torch.allclose(mla_prefill_paged(q, cache, table, prior, bs, L, 0.2), ref, atol=1e-12, rtol=0)
 
 
