@@ -116,10 +116,9 @@ class LLMEngine:
         prompt_media = None
         if media:
             ids, prompt_media = self._attach_media(ids, media)
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_model_len:  # a full-length prompt still yields one token (as in vLLM)
             raise ValueError(
-                f"the prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves room for "
-                f"at most {self.max_model_len - 1} prompt tokens"
+                f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
             )
         params.validate(self.vocab_size, self.max_model_len)
         request = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,

@@ -25,7 +25,7 @@ def make_engine(model, **kw):
 
 
 BAD_REQUESTS = [
-    ([1] * 100, GREEDY, "the prompt has 100 tokens, but max_model_len=100"),
+    ([1] * 101, GREEDY, "the prompt has 101 tokens, more than max_model_len=100"),
     ([1, 512], GREEDY, r"token id 512 is outside the vocabulary \[0, 512\)"),
     ([-1], GREEDY, r"token id -1 is outside the vocabulary"),
     ([], GREEDY, "the prompt is empty"),
@@ -54,6 +54,21 @@ def test_bad_requests_raise_and_change_nothing(model):
         outputs.append(engine.step())
     final = [o for step in outputs for o in step if o.finished]
     assert len(final) == 1 and final[0].outputs[0].token_ids == reference
+
+
+def test_a_prompt_that_fills_max_model_len_yields_one_token(model):
+    """As in vLLM: the sampled token is never fed back, so it needs no position and no cache slot."""
+    engine = make_engine(model, enable_prefix_caching=False)
+    prompt = [(7 * i) % 256 for i in range(100)]
+    engine.add_request("full", prompt, GREEDY)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (final,) = [o for o in outputs if o.finished]
+    alone = LLM(model, num_blocks=16, block_size=8).generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    assert final.outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert final.outputs[0].finish_reason == "length"
+    assert engine.cache.usage() == make_engine(model, enable_prefix_caching=False).cache.usage()  # all freed
 
 
 @pytest.mark.parametrize(
