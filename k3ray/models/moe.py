@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from k3ray.kernels.moe import moe_experts, route, situ_glu
+from k3ray.kernels.moe.mxfp4 import dequantize_mxfp4
 from k3ray.models.norm import RMSNorm
+
+# CPU MXFP4 experts whose dequantised weights fit this keep them (exact), instead of dequantising
+# on every call, which dominated small CPU expert calls; K3-sized expert sets stay packed
+DEQUANTIZED_CACHE_BYTES = 64 << 20
 
 
 class SituMLP(nn.Module):
@@ -54,18 +59,32 @@ class LocalExperts(nn.Module):
                 self.register_buffer(f"{name}_scale", torch.full((count, o, i // 32), 127, dtype=torch.uint8))
             else:
                 setattr(self, name, nn.Parameter(torch.empty(count, o, i, dtype=dtype)))
+        self._dequantized: dict[tuple, torch.Tensor] = {}
 
     def weights(self, name: str):
         if self.fmt == "mxfp4":
             return getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
         return getattr(self, name)
 
+    def _cpu_weights(self, name: str, dtype: torch.dtype):
+        """MXFP4 weights as a dense [E, out, in] copy when small enough (keyed by the buffers'
+        version counters, so loading new weights in place invalidates it), else packed."""
+        packed, scale = self.weights(name)
+        if packed.numel() * 2 * dtype.itemsize > DEQUANTIZED_CACHE_BYTES:
+            return packed, scale
+        key = (name, dtype, packed._version, scale._version)
+        if key not in self._dequantized:
+            self._dequantized = {k: v for k, v in self._dequantized.items() if k[:2] != key[:2]}
+            self._dequantized[key] = dequantize_mxfp4(packed, scale, dtype)
+        return self._dequantized[key]
+
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """h [T, Dl] -> partial y [T, Dl] fp32 from the experts held here."""
-        return moe_experts(
-            h, ids, weights, self.weights("w1"), self.weights("w3"), self.weights("w2"),
-            self.beta, self.linear_beta, self.start,
-        )
+        if self.fmt == "mxfp4" and h.device.type == "cpu":
+            w1, w3, w2 = (self._cpu_weights(name, h.dtype) for name in ("w1", "w3", "w2"))
+        else:
+            w1, w3, w2 = (self.weights(name) for name in ("w1", "w3", "w2"))
+        return moe_experts(h, ids, weights, w1, w3, w2, self.beta, self.linear_beta, self.start)
 
 
 class StableLatentMoE(nn.Module):
