@@ -1,4 +1,6 @@
-"""`k3ray eval niah|ruler|mm`: long-context and multimodal needle evals against an OpenAI-style endpoint.
+"""`k3ray eval niah|ruler|mm`: long-context and multimodal needle evals against an OpenAI-style
+endpoint, or a checkpoint in this process (`--checkpoint DIR`: the same prompts and answers as the
+server gives, without HTTP).
 
 Writes OUT/results.jsonl (one record per cell; --resume skips finished cells), OUT/summary.json,
 OUT/heatmap.png, OUT/report.md and OUT/report.html. `--oracle right|wrong` replaces the endpoint
@@ -65,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         where.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
         where.add_argument("--oracle", choices=("right", "wrong"),
                            help="no server: a built-in always-right/wrong target")
+        where.add_argument("--checkpoint", help="no server: run this checkpoint directory in this process")
         p.add_argument("--model", help="served model name (required with --endpoint)")
         p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                        help="bearer token (default $OPENAI_API_KEY)")
@@ -87,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--executor", choices=EXECUTORS, default="auto",
                        help="threads, or Ray tasks (auto: Ray when RAY_ADDRESS is set or Ray is initialised)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        engine = p.add_argument_group("in-process engine (--checkpoint)")
+        engine.add_argument("--max-model-len", type=int, help="context limit (default: the model's and cache's)")
+        engine.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                            help="tokens per engine step: the prefill chunk of a long prompt")
+        engine.add_argument("--cache-memory-mb", type=float, default=1024.0, help="MLA cache + state budget")
+        engine.add_argument("--torch-threads", type=int, help="torch threads (default: torch's)")
     add_lm_eval_arguments(suites.add_parser("lm-eval", help=LM_EVAL_HELP, description=LM_EVAL_HELP))
 
 
@@ -112,6 +121,8 @@ def add_lm_eval_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _target(args: argparse.Namespace):
+    if args.checkpoint is not None:
+        return _engine_target(args)
     if args.oracle is not None:
         from k3ray.evals.oracle import OracleTarget
 
@@ -121,6 +132,22 @@ def _target(args: argparse.Namespace):
     from k3ray.evals.openai_target import OpenAITarget
 
     return OpenAITarget(args.endpoint, args.model, api_key=args.api_key, timeout=args.timeout)
+
+
+def _engine_target(args: argparse.Namespace):
+    import torch
+
+    from k3ray.engine import LLM
+    from k3ray.evals.engine_target import EngineTarget
+
+    if args.cache_memory_mb <= 0:
+        raise ValueError(f"--cache-memory-mb must be > 0, got {args.cache_memory_mb}")
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    llm = LLM(args.checkpoint, max_num_batched_tokens=args.max_num_batched_tokens,
+              cache_memory_bytes=int(args.cache_memory_mb * 1024**2), **options)
+    return EngineTarget(llm)
 
 
 def lm_eval_main(args: argparse.Namespace) -> int:
@@ -179,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
         reserve_generation=args.reserve_generation,
         haystack=args.haystack,
         task_files=tuple(args.task_file),
-        executor=args.executor,
+        executor="threads" if args.checkpoint is not None else args.executor,  # the engine lives here
     )
     try:
         summary = run_eval(config, _target(args), args.out, resume=args.resume, progress=not args.no_progress)

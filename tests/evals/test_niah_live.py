@@ -117,3 +117,14 @@ def test_a_million_token_niah_cell_on_the_tiny_model(tiny_checkpoint, tmp_path, 
     item = task.build(Cell("niah", length, 50.0), target, 0, reserve_generation=True)
     assert len(target.tokenize(item.prompt)) == length - task.max_tokens
     assert OracleTarget().read(item.prompt) == ", ".join(record["answers"])
+
+
+def test_eval_cli_with_a_checkpoint_gives_the_endpoints_records(endpoint_run, tiny_checkpoint, tmp_path, capsys):
+    _, out = endpoint_run
+    rc = k3ray_main(["eval", "niah", "--checkpoint", tiny_checkpoint, "--lengths", "512", "--depths", "0,100",
+                     "--max-model-len", "2048", "--cache-memory-mb", "32", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0, capsys.readouterr()
+    served, local = records(out), records(tmp_path)
+    assert len(local) == 2 and local.keys() <= served.keys()
+    for key in local:
+        assert {f: local[key][f] for f in RECORD_FIELDS} == {f: served[key][f] for f in RECORD_FIELDS}, key
