@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
         # one pipeline hop: a decode step's carry (hidden + bank) relayed through the stages
         stages = [g.stage for g in runner.groups]
         D = local.config.hidden_size
-        carry = (pack(torch.randn(B, D)), pack(torch.randn(B, 4, D)))
+        carry = pack(torch.randn(B, D), torch.randn(B, 4, D))
 
         def relay_chain():
             ref = carry
@@ -118,8 +118,8 @@ def run(args: argparse.Namespace) -> dict:
         x = torch.randn(B, D)
         weights, ids = moe.gate(x)
         h = moe.routed_expert_down_proj(x).detach()
-        wire = (pack(h), pack(ids), pack(weights))
-        dispatch_ms = _median_ms(lambda: ray.get(router.dispatch.remote(layer, *wire)), 20 * args.repeats)
+        rows = pack(h, ids, weights)
+        dispatch_ms = _median_ms(lambda: ray.get(router.dispatch.remote(layer, rows)), 20 * args.repeats)
         with torch.no_grad():
             expert_ms = _median_ms(lambda: moe.experts(h, ids, weights), 20 * args.repeats)
         moe_layers = sum(local.config.is_moe_layer(i) for i in range(local.config.num_layers))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3ray.actors.wire import Packed, pack, unpack
+from k3ray.actors.wire import Bundle, pack, unpack
 from k3ray.config import ModelConfig
 
 
@@ -48,9 +48,10 @@ class ExpertShard:
         self.layer_range, self.expert_range = layer_range, expert_range
 
     @torch.no_grad()
-    def compute(self, layer_idx: int, h: Packed, ids: Packed, weights: Packed) -> Packed:
-        """h [T, Dl] rows routed here -> partial y [T, Dl] fp32 from experts [e0, e1)."""
-        return pack(self.container.experts(layer_idx)(unpack(h), unpack(ids), unpack(weights)))
+    def compute(self, layer_idx: int, rows: Bundle) -> Bundle:
+        """rows = (h [T, Dl], ids [T, k], weights [T, k]) routed here -> (partial y [T, Dl] fp32,)
+        from experts [e0, e1)."""
+        return pack(self.container.experts(layer_idx)(*unpack(rows)))
 
     def ready(self) -> dict:
         import ray

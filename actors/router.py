@@ -7,7 +7,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from k3ray.actors.wire import Packed, pack, unpack
+from k3ray.actors.wire import Bundle, pack, unpack
 
 
 class MoERouter:
@@ -20,19 +20,19 @@ class MoERouter:
         self.calls = 0
 
     @torch.no_grad()
-    def dispatch(self, layer_idx: int, h: Packed, ids: Packed, weights: Packed) -> Packed:
-        """h [T, Dl], ids / weights [T, k] -> y [T, Dl] fp32 (sum over all shards)."""
-        h, ids, weights = unpack(h), unpack(ids), unpack(weights)
+    def dispatch(self, layer_idx: int, rows: Bundle) -> Bundle:
+        """rows = (h [T, Dl], ids [T, k], weights [T, k]) -> (y [T, Dl] fp32,), summed over the shards."""
+        h, ids, weights = unpack(rows)
         pending = []
         for e0, e1, shard in self.shards:
             rows = ((ids >= e0) & (ids < e1)).any(-1).nonzero().squeeze(-1)  # [T_s]
             if rows.numel():
-                pending.append((rows, shard.compute.remote(layer_idx, pack(h[rows]), pack(ids[rows]), pack(weights[rows]))))
+                pending.append((rows, shard.compute.remote(layer_idx, pack(h[rows], ids[rows], weights[rows]))))
         y = torch.zeros(h.shape, dtype=torch.float32)
         if pending:
             parts = ray.get([ref for _, ref in pending], timeout=self.timeout)
             for (rows, _), part in zip(pending, parts):
-                y.index_add_(0, rows, unpack(part))
+                y.index_add_(0, rows, unpack(part)[0])
         self.load += torch.bincount(ids.flatten(), minlength=self.load.numel())
         self.calls += 1
         return pack(y)

@@ -145,7 +145,7 @@ class RayModelRunner:
         ref = None
         for s, g in enumerate(self.groups):
             ref = g.stage.forward.remote(step if s == 0 else step.without_media(), ref)
-        return unpack(self._get(ref, "model step"))
+        return unpack(self._get(ref, "model step"))[0]
 
     def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """Packed media -> [n_tokens, text_hidden] from the replica's VisionEncoder."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from k3ray.actors.protocol import CacheSpec, StepArgs
-from k3ray.actors.wire import Packed, pack, unpack
+from k3ray.actors.wire import Bundle, pack, unpack
 
 
 class RemoteExperts(nn.Module):
@@ -21,8 +21,8 @@ class RemoteExperts(nn.Module):
         self.router, self.layer_idx, self.timeout_s = router, layer_idx, timeout_s
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        ref = self.router.dispatch.remote(self.layer_idx, pack(h), pack(ids), pack(weights))
-        return unpack(ray.get(ref, timeout=self.timeout_s))
+        ref = self.router.dispatch.remote(self.layer_idx, pack(h, ids, weights))
+        return unpack(ray.get(ref, timeout=self.timeout_s))[0]
 
 
 class PipelineStage:
@@ -51,9 +51,9 @@ class PipelineStage:
                                          cache_spec.block_size, dtype=dtype, layers=range(*layer_range))
 
     @torch.no_grad()
-    def forward(self, step: StepArgs, carry: tuple[Packed, Packed] | None) -> tuple[Packed, Packed] | Packed:
+    def forward(self, step: StepArgs, carry: Bundle | None) -> Bundle:
         """First stage: carry is None. Returns (hidden [T, D], bank [T, R, D]) or, on the last
-        stage, logits [len(logits_indices), V] fp32 — packed for the wire (k3ray.actors.wire)."""
+        stage, (logits [len(logits_indices), V] fp32,) — one wire bundle (k3ray.actors.wire)."""
         from k3ray.models.forward_batch import ForwardBatch
         from k3ray.vision.placeholders import splice_media_embeddings
 
@@ -63,11 +63,11 @@ class PipelineStage:
             if step.mm_positions is not None:
                 hidden = splice_media_embeddings(hidden, step.mm_positions, step.mm_embeds)
         else:
-            hidden, stacked = unpack(carry[0]), unpack(carry[1])
+            hidden, stacked = unpack(carry)
             bank = list(stacked.unbind(1))
         hidden, bank = self.model.forward_layers(hidden, bank, batch)
         if not self.model.is_last:
-            return pack(hidden), pack(torch.stack(bank, 1))
+            return pack(hidden, torch.stack(bank, 1))
         idx = step.logits_indices
         if idx is not None:
             hidden, bank = hidden[idx], [b[idx] for b in bank]

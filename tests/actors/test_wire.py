@@ -1,24 +1,46 @@
-"""Tensors cross actor calls as numpy (k3ray.actors.wire): exact for every dtype the model uses."""
+"""Tensors cross actor calls as one wire bundle (k3ray.actors.wire): bit-exact for every dtype
+the model uses, plain tuples and bytes for small payloads, numpy for large ones."""
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
+from k3ray.actors import wire
 from k3ray.actors.protocol import StepArgs
 from k3ray.actors.wire import pack, unpack
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8])
-def test_pack_round_trip_is_bit_exact(dtype):
-    t = (torch.randn(5, 7) * 100).to(dtype)
-    back = unpack(pickle.loads(pickle.dumps(pack(t))))
-    assert back.dtype == dtype and torch.equal(back, t)
-    back.add_(1)  # writable, independent of the sender
-    assert unpack(pack(None)) is None
+DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool]
 
 
-def test_step_args_pickle_through_numpy():
+@pytest.mark.parametrize("large", [False, True])
+def test_bundle_round_trip_is_bit_exact(large, monkeypatch):
+    if large:
+        monkeypatch.setattr(wire, "SMALL_PAYLOAD_BYTES", 0)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [(torch.randn(5, 3, generator=gen) * 100).to(d) for d in DTYPES]  # odd byte sizes: alignment
+    tensors += [None, torch.zeros(0, 4), torch.tensor(7)]
+    bundle = pack(*tensors)
+    assert isinstance(bundle[1], np.ndarray if large else bytes)
+    back = unpack(pickle.loads(pickle.dumps(bundle)))
+    assert len(back) == len(tensors)
+    for t, b in zip(tensors, back):
+        if t is None:
+            assert b is None
+            continue
+        assert b.dtype == t.dtype and b.shape == t.shape and torch.equal(b, t)
+    back[0].add_(1)  # writable, independent of the sender and of the other tensors
+    assert torch.equal(unpack(bundle)[0], tensors[0]) and torch.equal(back[1], tensors[1])
+
+
+def test_small_bundles_are_plain_tuples_and_bytes():
+    header, payload = pack(torch.ones(2, 2), None)
+    assert header == (("float32", (2, 2), 0), None) and payload == torch.ones(4).numpy().tobytes()
+
+
+def test_step_args_pickle_as_one_bundle():
     step = StepArgs(torch.arange(5), torch.tensor([0, 5]), torch.tensor([5]), torch.tensor([1]),
                     torch.arange(4)[None], logits_indices=torch.tensor([4]),
                     mm_embeds=torch.randn(2, 3, dtype=torch.bfloat16), mm_positions=torch.tensor([1, 2]))
