@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from k3ray.kernels.moe import moe_experts, route, situ_glu
+from k3ray.kernels.moe import cpu as moe_cpu
 from k3ray.kernels.moe.cpu import moe_experts_cpu
 from k3ray.kernels.moe.experts import moe_experts_triton
 from k3ray.kernels.moe.mxfp4 import GROUP
@@ -133,10 +134,12 @@ def test_experts_triton_no_local_tokens():
     assert torch.equal(got, torch.zeros(4, 32))
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["grouped", "gathered"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("expert_offset", [0, 3], ids=["all_local", "offset3"])
-def test_experts_cpu_matches_naive(fmt, dtype, expert_offset):
+def test_experts_cpu_matches_naive(fmt, dtype, expert_offset, gathered, monkeypatch):
+    monkeypatch.setattr(moe_cpu, "GATHER_MAX_ELEMENTS", 1 << 30 if gathered else 0)
     T, k, E = 13, 3, 5
     Dl, I = (64, 96) if fmt == "mxfp4" else (45, 37)
     h = torch.randn(T, Dl, generator=_gen(4)).to(dtype)
