@@ -1,6 +1,10 @@
 """`k3ray bench cluster`: decode throughput of the tiny K3 run locally vs as Ray actors
 (pipeline 2 x expert-parallel 2), the Ray cost of a pipeline hop and of one MoE dispatch per
-layer, and the same decode loop through Ray Compiled Graphs."""
+layer, and the same decode loop through Ray Compiled Graphs.
+
+dispatch_ms_per_layer is the latency one MoE layer's dispatch adds over computing the same rows'
+experts locally, with the --moe-dispatch mode; dispatch_added_ms holds both modes (through the
+router actor, or from the stage straight to the shards) and dispatch_total_ms their wall times."""
 
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=16, help="decode steps per repetition")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
+    p.add_argument("--moe-dispatch", choices=["router", "direct"], default="router",
+                   help="how the Ray runner's stages reach the expert shards")
 
 
 def _decode_args(batch: int, step: int, prompt: int):
@@ -59,7 +65,8 @@ def run(args: argparse.Namespace) -> dict:
 
     from k3ray.actors.protocol import CacheSpec, ParallelConfig
     from k3ray.actors.runner import RayModelRunner
-    from k3ray.actors.wire import pack
+    from k3ray.actors.router import fan_out
+    from k3ray.actors.wire import pack, unpack
     from k3ray.default_model import default_checkpoint_dir
     from k3ray.models.forward_batch import ForwardBatch, ModelCache
     from k3ray.weights import load_model
@@ -80,8 +87,10 @@ def run(args: argparse.Namespace) -> dict:
     else:
         ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     try:
-        runner = RayModelRunner(ckpt, ParallelConfig(args.pipeline, args.expert_parallel), spec)
-        single = RayModelRunner(ckpt, ParallelConfig(1, args.expert_parallel), spec, name="k3ray-single")
+        parallel = ParallelConfig(args.pipeline, args.expert_parallel, moe_dispatch=args.moe_dispatch)
+        runner = RayModelRunner(ckpt, parallel, spec)
+        single = RayModelRunner(ckpt, ParallelConfig(1, args.expert_parallel, moe_dispatch=args.moe_dispatch), spec,
+                                name="k3ray-single")
 
         def loop(step_fn):
             step_fn(_prefill_args(B, prompt))
@@ -110,8 +119,9 @@ def run(args: argparse.Namespace) -> dict:
 
         hop_ms = _median_ms(relay_chain, 20 * args.repeats) / len(stages)
 
-        # one MoE dispatch of a decode step's latent rows: router -> shards -> router
-        router = next(g.router for g in runner.groups if g.router is not None)
+        # one MoE dispatch of a decode step's latent rows: via the router, or straight to the shards
+        group = next(g for g in runner.groups if g.router is not None)
+        router = group.router
         layer = next(i for i in range(*runner.groups[0].layers) if local.config.is_moe_layer(i)) \
             if runner.groups[0].router is not None else None
         moe = local.model.layers[str(layer)].block_sparse_moe
@@ -119,9 +129,13 @@ def run(args: argparse.Namespace) -> dict:
         weights, ids = moe.gate(x)
         h = moe.routed_expert_down_proj(x).detach()
         rows = pack(h, ids, weights)
-        dispatch_ms = _median_ms(lambda: ray.get(router.dispatch.remote(layer, rows)), 20 * args.repeats)
+        total_ms = {
+            "router": _median_ms(lambda: unpack(ray.get(router.dispatch.remote(layer, rows))), 20 * args.repeats),
+            "direct": _median_ms(lambda: fan_out(group.shards, layer, h, ids, weights, 60.0), 20 * args.repeats),
+        }
         with torch.no_grad():
             expert_ms = _median_ms(lambda: moe.experts(h, ids, weights), 20 * args.repeats)
+        added_ms = {mode: ms - expert_ms for mode, ms in total_ms.items()}
         moe_layers = sum(local.config.is_moe_layer(i) for i in range(local.config.num_layers))
         compiled = _compiled_graph(runner, B, prompt, args, local_ms, tokens)
         runner.shutdown()
@@ -131,7 +145,9 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "ray_vs_local_tok_s": ray_tok_s / local_tok_s,
         "hop_ms": hop_ms,
-        "dispatch_ms_per_layer": dispatch_ms,
+        "dispatch_ms_per_layer": added_ms[args.moe_dispatch],
+        "dispatch_added_ms": added_ms,
+        "dispatch_total_ms": total_ms,
         "compiled_graphs": compiled,
         "local_decode_tok_s": local_tok_s,
         "ray_decode_tok_s": ray_tok_s,
@@ -141,7 +157,8 @@ def run(args: argparse.Namespace) -> dict:
         "expert_compute_ms_per_layer": expert_ms,
         "moe_layers": moe_layers,
         "machine": machine(),
-        "config": {"model": ckpt, "pipeline": args.pipeline, "expert_parallel": args.expert_parallel, "batch": B,
+        "config": {"model": ckpt, "pipeline": args.pipeline, "expert_parallel": args.expert_parallel,
+                   "moe_dispatch": args.moe_dispatch, "batch": B,
                    "steps": args.steps, "repeats": args.repeats},
     }
 

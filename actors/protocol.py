@@ -28,6 +28,7 @@ class ParallelConfig:
     call_timeout_s: float = 120.0  # a step that takes longer fails instead of hanging
     max_restarts: int = 3  # a dead actor restarts and reloads its weights this many times
     torch_threads: int = 1  # per actor process
+    moe_dispatch: str = "router"
 
     def __post_init__(self) -> None:
         if self.pipeline < 1:
@@ -37,6 +38,8 @@ class ParallelConfig:
         strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
         if self.placement_strategy not in strategies:
             raise ValueError(f"placement_strategy must be one of {strategies}, got {self.placement_strategy!r}")
+        if self.moe_dispatch not in ("router", "direct"):
+            raise ValueError(f"moe_dispatch must be 'router' or 'direct', got {self.moe_dispatch!r}")
         if self.call_timeout_s <= 0:
             raise ValueError(f"call_timeout_s must be > 0, got {self.call_timeout_s}")
 

@@ -112,7 +112,8 @@ class RayModelRunner:
                 ).remote(shards, self.config.num_experts, parallel.call_timeout_s, parallel.torch_threads)
             stage = ray.remote(PipelineStage).options(
                 **opts(index[("stage", s, None)], parallel.stage_resources)
-            ).remote(checkpoint, layers, cache, router, parallel.call_timeout_s, parallel.torch_threads)
+            ).remote(checkpoint, layers, cache, router, parallel.call_timeout_s, parallel.torch_threads,
+                     parallel.moe_dispatch)
             self.groups.append(_StageGroup(layers, stage, router, shards))
         if ("vision", 0, None) in index and has_vision_weights(checkpoint):
             self.vision = ray.remote(VisionEncoder).options(
@@ -159,6 +160,8 @@ class RayModelRunner:
 
     def expert_load(self) -> list[list[int]]:
         """Per stage: routed (token, expert) pairs per expert since start (Router counters)."""
+        if self.parallel.moe_dispatch == "direct":
+            self._get([g.stage.flush_load.remote() for g in self.groups if g.router], "expert load")
         return [self._get(g.router.expert_load.remote(), "expert load") if g.router else [] for g in self.groups]
 
     def health(self, timeout_s: float = 10.0) -> dict:

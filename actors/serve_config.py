@@ -39,6 +39,8 @@ class ServeArgs(BaseModel):
     max_media_per_prompt: int = Field(128, ge=0)
     media_fetch_timeout_s: float = Field(10.0, gt=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    moe_dispatch: Literal["router", "direct"] = Field(
+        "router", description="MoE rows through each stage's router actor, or from the stage straight to its shards")
     torch_threads: int | None = Field(None, ge=1)
     # autoscaling (Serve's AutoscalingConfig)
     min_replicas: int = Field(1, ge=0)
@@ -97,6 +99,7 @@ class ServeArgs(BaseModel):
             stage_resources=_resources(self.stage_cpus, self.stage_gpus),
             shard_resources=_resources(self.shard_cpus, self.shard_gpus),
             router_resources={"CPU": self.router_cpus}, placement_strategy=self.placement_strategy,
+            moe_dispatch=self.moe_dispatch,
             vision_resources=_resources(self.vision_cpus, self.vision_gpus),
         )
 

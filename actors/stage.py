@@ -1,7 +1,8 @@
 """PipelineStage actor: contiguous layers [a, b) of the model with their caches; its MoE layers
-send the latent rows to the stage's Router actor. The first stage embeds, the last returns logits;
-between stages the AttnRes state (partial sum + bank) travels as an object ref. Media embeddings
-(from the replica's VisionEncoder, via the engine) are spliced in by the first stage."""
+send the latent rows to the stage's Router actor, or straight to the router's expert shards
+(ParallelConfig.moe_dispatch, see k3ray.actors.router). The first stage embeds, the last returns
+logits; between stages the AttnRes state (partial sum + bank) travels as an object ref. Media
+embeddings (from the replica's VisionEncoder, via the engine) are spliced in by the first stage."""
 
 from __future__ import annotations
 
@@ -10,24 +11,55 @@ import torch
 from torch import nn
 
 from k3ray.actors.protocol import CacheSpec, StepArgs
+from k3ray.actors.router import fan_out
 from k3ray.actors.wire import Bundle, pack, unpack
 
 
-class RemoteExperts(nn.Module):
-    """Stands where LocalExperts would: the same call, answered by the Router actor."""
+class DirectDispatch:
+    """A stage's MoE layers calling the router's shards themselves; the load counts go to the
+    router once per step (`flush`, not awaited)."""
 
-    def __init__(self, router: "ray.actor.ActorHandle", layer_idx: int, timeout_s: float):
+    def __init__(self, router: "ray.actor.ActorHandle", num_experts: int, timeout_s: float):
+        self.router, self.timeout_s = router, timeout_s
+        self.shards = ray.get(router.shard_map.remote(), timeout=timeout_s)
+        self.load = torch.zeros(num_experts, dtype=torch.long)
+        self.dispatches = 0
+
+    def __call__(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        y = fan_out(self.shards, layer_idx, h, ids, weights, self.timeout_s)
+        self.load += torch.bincount(ids.flatten(), minlength=self.load.numel())
+        self.dispatches += 1
+        return y
+
+    def flush(self) -> "ray.ObjectRef | None":
+        if not self.dispatches:
+            return None
+        ref = self.router.record_load.remote(pack(self.load), self.dispatches)
+        self.load = torch.zeros_like(self.load)
+        self.dispatches = 0
+        return ref
+
+
+class RemoteExperts(nn.Module):
+    """Stands where LocalExperts would: the same call, answered by the Router actor or, with a
+    DirectDispatch, by the shards."""
+
+    def __init__(self, router: "ray.actor.ActorHandle", layer_idx: int, timeout_s: float,
+                 direct: DirectDispatch | None = None):
         super().__init__()
-        self.router, self.layer_idx, self.timeout_s = router, layer_idx, timeout_s
+        self.router, self.layer_idx, self.timeout_s, self.direct = router, layer_idx, timeout_s, direct
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.direct is not None:
+            return self.direct(self.layer_idx, h, ids, weights)
         ref = self.router.dispatch.remote(self.layer_idx, pack(h, ids, weights))
         return unpack(ray.get(ref, timeout=self.timeout_s))[0]
 
 
 class PipelineStage:
     def __init__(self, checkpoint: str, layer_range: tuple[int, int], cache_spec: CacheSpec,
-                 router: "ray.actor.ActorHandle | None", call_timeout_s: float, torch_threads: int = 1):
+                 router: "ray.actor.ActorHandle | None", call_timeout_s: float, torch_threads: int = 1,
+                 moe_dispatch: str = "router"):
         from k3ray.config import ModelConfig
         from k3ray.models.forward_batch import ModelCache
         from k3ray.models.init import build_model
@@ -39,11 +71,14 @@ class PipelineStage:
         has_moe = any(config.is_moe_layer(i) for i in range(*layer_range))
         # one placeholder expert per MoE layer, replaced below: the stage holds no routed experts
         model = build_model(config, dtype, seed=None, layer_range=layer_range, expert_range=(0, 1))
+        self.direct: DirectDispatch | None = None
         if has_moe:
             assert router is not None, "a stage with MoE layers needs a router"
+            if moe_dispatch == "direct":
+                self.direct = DirectDispatch(router, config.num_experts, call_timeout_s)
             for i, layer in model.model.layers.items():
                 if hasattr(layer, "block_sparse_moe"):
-                    layer.block_sparse_moe.experts = RemoteExperts(router, int(i), call_timeout_s)
+                    layer.block_sparse_moe.experts = RemoteExperts(router, int(i), call_timeout_s, self.direct)
         load_checkpoint(model, checkpoint)
         self.model = model.eval()
         self.layer_range = layer_range
@@ -66,6 +101,8 @@ class PipelineStage:
             hidden, stacked = unpack(carry)
             bank = list(stacked.unbind(1))
         hidden, bank = self.model.forward_layers(hidden, bank, batch)
+        if self.direct is not None:
+            self.direct.flush()
         if not self.model.is_last:
             return pack(hidden, torch.stack(bank, 1))
         idx = step.logits_indices
@@ -78,6 +115,13 @@ class PipelineStage:
         s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
         for pool in (*self.cache.kda_state.values(), *self.cache.conv_state.values()):
             pool[d] = pool[s]
+
+    def flush_load(self) -> None:
+        """Direct dispatch: hand the counts of the steps so far to the router, and wait for it."""
+        if self.direct is not None:
+            ref = self.direct.flush()
+            if ref is not None:
+                ray.get(ref, timeout=self.direct.timeout_s)
 
     def relay(self, carry):
         """Hand a carry straight on (measures the Ray cost of one pipeline hop)."""

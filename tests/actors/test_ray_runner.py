@@ -43,9 +43,10 @@ def local_model(tiny_checkpoint):
 
 
 # the engine-level tests (test_ray_executor.py) cover pipeline 1-3 x expert-parallel 1, 2, 4
-@pytest.mark.parametrize("pipeline, expert_parallel", [(2, 2)])
-def test_ray_pipeline_equals_local(ray_cluster, tiny_checkpoint, local_model, pipeline, expert_parallel):
-    runner = RayModelRunner(tiny_checkpoint, ParallelConfig(pipeline, expert_parallel, **ON_NODES), SPEC)
+@pytest.mark.parametrize("pipeline, expert_parallel, dispatch", [(2, 2, "router"), (1, 4, "direct")])
+def test_ray_pipeline_equals_local(ray_cluster, tiny_checkpoint, local_model, pipeline, expert_parallel, dispatch):
+    parallel = ParallelConfig(pipeline, expert_parallel, moe_dispatch=dispatch, **ON_NODES)
+    runner = RayModelRunner(tiny_checkpoint, parallel, SPEC)
     try:
         nodes = {name.split()[0]: node for name, node in runner.placement.items()}
         stage_nodes = {n for name, n in runner.placement.items() if name.startswith("stage")}
@@ -95,6 +96,8 @@ def test_bad_parallel_config_is_a_value_error(tiny_checkpoint):
         ParallelConfig(pipeline=0)
     with pytest.raises(ValueError, match="placement_strategy"):
         ParallelConfig(placement_strategy="RANDOM")
+    with pytest.raises(ValueError, match="moe_dispatch"):
+        ParallelConfig(moe_dispatch="allreduce")
 
 
 def test_node_that_leaves_shows_in_health_and_fails_steps(ray_cluster, tiny_checkpoint):
