@@ -23,7 +23,7 @@ import httpx
 import torch
 
 from k3ray.evals.serve_bench import datasets, metrics
-from k3ray.evals.serve_bench.client import RequestResult, stream_completion
+from k3ray.evals.serve_bench.client import RequestResult, open_session, stream_completion
 from k3ray.evals.serve_bench.load import arrival_offsets, run_load
 
 LEVEL_KEYS = ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
@@ -99,9 +99,8 @@ def _requests(args: argparse.Namespace, n: int, seed: int, token_range, tokenize
 
 
 async def _served(url: str, model: str, requests, offsets, concurrency, timeout) -> tuple[list[RequestResult], float]:
-    limits = httpx.Limits(max_connections=concurrency or len(requests), max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
-        return await run_load(lambda r: stream_completion(client, model, r), requests, offsets, concurrency)
+    async with open_session(concurrency, timeout) as session:
+        return await run_load(lambda r: stream_completion(session, url, model, r), requests, offsets, concurrency)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """One streamed completion, timed on the client: TTFT, the gaps between chunks (ITL) and the
-end-to-end latency, with the output token count from the final `usage` chunk.
+end-to-end latency, with the output token count from the final `usage` chunk. aiohttp, as in
+`vllm bench serve`: the load generator shares the machine, and httpx's pure-Python HTTP stack
+costs far more CPU per SSE line.
 
 TTFT is the time to the first SSE chunk carrying a choice; each later choice chunk adds one ITL
 entry (a chunk may hold several tokens when their text is held back, e.g. an unfinished UTF-8
@@ -8,11 +10,12 @@ character); E2EL runs from sending the request to the end of the stream (`data: 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from k3ray.evals.serve_bench.datasets import BenchRequest
 
@@ -37,24 +40,30 @@ def completion_payload(model: str, request: BenchRequest, extra_body: dict | Non
             **(extra_body or {})}
 
 
-async def stream_completion(client: httpx.AsyncClient, model: str, request: BenchRequest,
+def open_session(concurrency: int | None, timeout: float) -> aiohttp.ClientSession:
+    """Keep-alive connections, at most `concurrency` (None: no cap) open at once."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency or 0),
+                                 timeout=aiohttp.ClientTimeout(total=timeout))
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, request: BenchRequest,
                             extra_body: dict | None = None) -> RequestResult:
-    """POST /v1/completions with stream=true; never raises for a failed request (see `error`)."""
+    """POST {url}/v1/completions with stream=true; never raises for a failed request (see `error`)."""
     result = RequestResult(prompt_len=request.prompt_len)
     payload = completion_payload(model, request, extra_body)
     pieces: list[str] = []
     result.start_time = start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {body[:500]}"
+        async with session.post(f"{url}/v1/completions", json=payload) as response:
+            if response.status != 200:
+                body = await response.text(errors="replace")
+                result.error = f"HTTP {response.status}: {body[:500]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in response.content:  # one line at a time
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+                data = raw[len(b"data:"):].strip()
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 now = time.perf_counter()
@@ -71,7 +80,7 @@ async def stream_completion(client: httpx.AsyncClient, model: str, request: Benc
                 if chunk.get("usage"):
                     result.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
         result.latency = time.perf_counter() - start
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.generated_text = "".join(pieces)
