@@ -2,8 +2,8 @@
 the same grid on the replica's engine rebuilt in this process gives the same records.
 
 The 1,048,576-token cell is `slow` (not in default CI): on the tiny model on 2 CPU cores its
-prefill grows quadratically (MLA layers attend to the whole context): 12 s at 16,384 tokens and
-386 s at 65,536 measured, so about 27 hours at 1,048,576; peak RSS about 1.5 GiB."""
+prefill is quadratic (3 MLA layers attend to the whole context): the same cell through
+`k3ray eval niah --checkpoint` took 3,296 s at 2.37 GiB peak RSS (README, "Measured")."""
 
 import json
 import socket
