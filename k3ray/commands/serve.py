@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 # ServeArgs fields set from flags of the same name (None = ServeArgs' default)
@@ -98,23 +99,27 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(str(e)) from None
     from k3ray.actors import serve_launch
 
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     init = {} if args.num_cpus is None else {"num_cpus": args.num_cpus}
     owns_ray = serve_launch.start_ray(args.address, **init)
+    # Ctrl-C / SIGTERM only set a flag: one that lands while Serve is deploying must not be lost
+    # inside Ray's own waits (it was, under load), and the loop below then shuts down cleanly
+    stop = threading.Event()
+
+    def request_stop(signum, frame) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C interrupts the shutdown
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
     try:
         url = serve_launch.deploy(app_args(args), host=args.host, port=args.port)
         print(f"k3ray serve: OpenAI API at {url}/v1 (Ctrl-C to stop)", flush=True)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
+        while not stop.is_set():
+            time.sleep(0.2)
         print("k3ray serve: shutting down", file=sys.stderr, flush=True)
     finally:
         serve_launch.stop(owns_ray)
     return 0
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":  # `python -m k3ray.commands.serve ...`, the same as `k3ray serve ...`

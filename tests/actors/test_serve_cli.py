@@ -129,3 +129,32 @@ def test_k3ray_serve_runs_until_ctrl_c_and_leaves_nothing(tiny_checkpoint, tmp_p
                 p.kill()
         proc.wait(timeout=60)
         log.close()
+
+
+def test_ctrl_c_while_deploying_still_stops_everything(tiny_checkpoint, tmp_path):
+    """A Ctrl-C that lands inside Serve's deploy (Ray's own waits) is not lost."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "k3ray.commands.serve", "--model", tiny_checkpoint, "--port", str(port),
+           "--max-model-len", "128", "--cache-memory-mb", "16", "--num-cpus", "4"]
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while "Started Serve" not in log_path.read_text():  # Ray is up, the app is being deployed
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+        _, alive = psutil.wait_procs(tree, timeout=60)
+        assert not alive, [p.info for p in alive if p.is_running()]
+    finally:
+        for p in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
+            if p.is_running():
+                p.kill()
+        proc.wait(timeout=60)
+        log.close()
