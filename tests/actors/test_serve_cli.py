@@ -2,6 +2,7 @@
 and the command end to end (starts Ray + Serve on loopback, serves, stops everything on Ctrl-C)."""
 
 import argparse
+import contextlib
 import os
 import pathlib
 import signal
@@ -92,20 +93,43 @@ def test_serve_config_yaml_deploys_the_same_app(tiny_checkpoint):
     assert deployment._deployment_config.max_queued_requests == 256
 
 
-def test_k3ray_serve_runs_until_ctrl_c_and_leaves_nothing(tiny_checkpoint, tmp_path):
+@contextlib.contextmanager
+def serve_command(checkpoint: str, tmp_path):
+    """`k3ray serve` as a child process on a free loopback port: yields (process, url, log path,
+    Ray's processes under it, filled in by the test); whatever still runs afterwards is killed."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "k3ray.commands.serve", "--model", tiny_checkpoint, "--port", str(port),
+    cmd = [sys.executable, "-m", "k3ray.commands.serve", "--model", checkpoint, "--port", str(port),
            "--max-model-len", "128", "--cache-memory-mb", "16", "--num-cpus", "4"]
-    log = open(tmp_path / "serve.log", "w")
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
     tree: list[psutil.Process] = []
     try:
+        yield proc, f"http://127.0.0.1:{port}", log_path, tree
+    finally:
+        for p in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
+            if p.is_running():
+                p.kill()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def ctrl_c_stops_everything(proc, log_path, tree: list[psutil.Process]) -> None:
+    tree[:] = psutil.Process(proc.pid).children(recursive=True)
+    assert tree, "Ray's processes should be children of the command"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, [p.info for p in alive if p.is_running()]
+
+
+def test_k3ray_serve_runs_until_ctrl_c_and_leaves_nothing(tiny_checkpoint, tmp_path):
+    with serve_command(tiny_checkpoint, tmp_path) as (proc, url, log_path, tree):
         deadline = time.monotonic() + 300
         while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert proc.poll() is None, log_path.read_text()[-3000:]
             try:
                 if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
                     break
@@ -115,46 +139,16 @@ def test_k3ray_serve_runs_until_ctrl_c_and_leaves_nothing(tiny_checkpoint, tmp_p
             time.sleep(1)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        assert tree, "Ray's processes should be children of the command"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
-        _, alive = psutil.wait_procs(tree, timeout=60)
-        assert not alive, [p.info for p in alive if p.is_running()]
+        ctrl_c_stops_everything(proc, log_path, tree)
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/v1/models", timeout=5)
-    finally:
-        for p in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
-            if p.is_running():
-                p.kill()
-        proc.wait(timeout=60)
-        log.close()
 
 
 def test_ctrl_c_while_deploying_still_stops_everything(tiny_checkpoint, tmp_path):
     """A Ctrl-C that lands inside Serve's deploy (Ray's own waits) is not lost."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "k3ray.commands.serve", "--model", tiny_checkpoint, "--port", str(port),
-           "--max-model-len", "128", "--cache-memory-mb", "16", "--num-cpus", "4"]
-    log_path = tmp_path / "serve.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    tree: list[psutil.Process] = []
-    try:
+    with serve_command(tiny_checkpoint, tmp_path) as (proc, _, log_path, tree):
         deadline = time.monotonic() + 300
         while "Started Serve" not in log_path.read_text():  # Ray is up, the app is being deployed
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.2)
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
-        _, alive = psutil.wait_procs(tree, timeout=60)
-        assert not alive, [p.info for p in alive if p.is_running()]
-    finally:
-        for p in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
-            if p.is_running():
-                p.kill()
-        proc.wait(timeout=60)
-        log.close()
+        ctrl_c_stops_everything(proc, log_path, tree)
