@@ -106,6 +106,30 @@ class ForwardBatch:
             self.slot_mapping = torch.zeros(0, dtype=torch.long)
         self.is_decode = bool((self.q_lens == 1).all() and (self.prior_lens > 0).all())
 
+    def decode_split(self) -> DecodeSplit | None:
+        """A step mixing decodes (one new token after a cached prefix) with prefill chunks, as two
+        sub-batches, so the decodes take the decode kernels; None if the step is not mixed (or is a
+        speculative verification, whose per-token states the split would not keep)."""
+        if self.is_decode or self.spec_state_slots is not None:
+            return None
+        if not hasattr(self, "_decode_split"):
+            self._decode_split = self._split_decodes()
+        return self._decode_split
+
+    def _split_decodes(self) -> DecodeSplit | None:
+        is_decode = (self.q_lens == 1) & (self.prior_lens > 0)  # [N]
+        if not bool(is_decode.any()):
+            return None
+        token_is_decode = torch.repeat_interleave(is_decode, self.q_lens)  # [T]
+
+        def part(seqs: torch.Tensor) -> ForwardBatch:
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), self.q_lens[seqs].cumsum(0)])
+            return ForwardBatch(cu, self.context_lens[seqs], self.state_slots[seqs], self.block_tables[seqs],
+                                self.cache)
+
+        return DecodeSplit(part(is_decode), token_is_decode.nonzero().squeeze(1),
+                           part(~is_decode), (~token_is_decode).nonzero().squeeze(1))
+
     @property
     def num_seqs(self) -> int:
         return self.q_lens.numel()
@@ -113,3 +137,13 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.cu_seqlens[-1])
+
+
+@dataclass(frozen=True)
+class DecodeSplit:
+    """A mixed step's sequences in two sub-batches (same cache) and the rows of their tokens."""
+
+    decode: ForwardBatch
+    decode_rows: torch.Tensor  # [T_decode] token rows of the step
+    prefill: ForwardBatch
+    prefill_rows: torch.Tensor  # [T_prefill]

@@ -59,17 +59,33 @@ class KimiDeltaAttention(nn.Module):
         slots = batch.state_slots.long()
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, K), self.A_log, self.dt_bias, self.gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        split = batch.decode_split()
         if batch.is_decode and batch.spec_state_slots is None:
-            qkv = causal_conv1d_update(qkv, self.conv_weight(), conv_pool, slots)
-            q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, -1))
-            q, k = l2norm(q, L2_NORM_EPS), l2norm(k, L2_NORM_EPS)
-            o = fused_recurrent_kda(q, k, v, g, beta, K**-0.5, state_pool, slots)
+            o = self._decode(qkv, g, beta, conv_pool, state_pool, slots)
         elif batch.spec_state_slots is not None:
             o = self._prefill_per_token_states(qkv, g, beta, batch, conv_pool, state_pool)
+        elif split is not None:  # a mixed step: decodes on the recurrent kernel, the rest chunked
+            rows, part = split.decode_rows, split.decode
+            o_decode = self._decode(qkv[rows], g[rows], beta[rows], conv_pool, state_pool, part.state_slots.long())
+            rows, part = split.prefill_rows, split.prefill
+            o_prefill = self._prefill(qkv[rows], g[rows], beta[rows], part, conv_pool, state_pool,
+                                      part.state_slots.long())
+            o = o_decode.new_empty(T, H, K)
+            o[split.decode_rows] = o_decode
+            o[split.prefill_rows] = o_prefill.to(o.dtype)
         else:
             o = self._prefill(qkv, g, beta, batch, conv_pool, state_pool, slots)
         o = gated_rms_norm(o, self.o_norm.weight, self.g_proj(x).view(T, H, K), self.norm_eps)
         return self.o_proj(o.reshape(T, H * K).to(x.dtype))
+
+    def _decode(self, qkv, g, beta, conv_pool, state_pool, slots) -> torch.Tensor:
+        """One new token per sequence, each after a cached prefix."""
+        T = qkv.shape[0]
+        H, K = self.num_heads, self.head_dim
+        qkv = causal_conv1d_update(qkv, self.conv_weight(), conv_pool, slots)
+        q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, -1))
+        q, k = l2norm(q, L2_NORM_EPS), l2norm(k, L2_NORM_EPS)
+        return fused_recurrent_kda(q, k, v, g, beta, K**-0.5, state_pool, slots)
 
     def _prefill(self, qkv, g, beta, batch, conv_pool, state_pool, slots) -> torch.Tensor:
         T = qkv.shape[0]

@@ -118,26 +118,38 @@ class GatedMLA(nn.Module):
         cache = batch.cache.mla_latent[self.layer_idx]
         q = self.project_q(x)
         cache[batch.slot_mapping] = self.project_latent(x).to(cache.dtype)
+        split = batch.decode_split()
         if batch.is_decode:
-            o_lat = mla_decode(
-                self.absorb_q(q), cache, batch.block_tables, batch.context_lens,
-                batch.cache.block_size, self.kv_lora_rank, self.scale,
-            )
-            o = self.unabsorb_o(o_lat.to(x.dtype))
-        else:
+            o = self._decode(q, cache, batch, x.dtype)
+        elif split is not None:  # a mixed step: decodes on the decode kernel, the rest as prefill
             o = torch.empty(x.shape[0], self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
-            expanded = []
-            for i in range(batch.num_seqs):
-                s, e = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-                ctx = int(batch.context_lens[i])
-                if (e - s) * ctx * self.num_heads > EXPANDED_PREFILL_MAX_SCORES:
-                    o_lat = mla_prefill_paged(
-                        self.absorb_q(q[s:e]), cache, batch.block_tables[i], ctx - (e - s),
-                        batch.cache.block_size, self.kv_lora_rank, self.scale,
-                    )
-                    o[s:e] = self.unabsorb_o(o_lat.to(x.dtype))
-                else:
-                    expanded.append(i)
-            if expanded:
-                self._prefill_expanded(q, o, cache, batch, expanded, x.dtype)
+            o[split.decode_rows] = self._decode(q[split.decode_rows], cache, split.decode, x.dtype)
+            o[split.prefill_rows] = self._prefill(q[split.prefill_rows], cache, split.prefill, x.dtype)
+        else:
+            o = self._prefill(q, cache, batch, x.dtype)
         return self.gate_and_project(x, o)
+
+    def _decode(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, dtype) -> torch.Tensor:
+        """One query token per sequence, each after a cached prefix (absorbed form)."""
+        o_lat = mla_decode(self.absorb_q(q), cache, batch.block_tables, batch.context_lens,
+                           batch.cache.block_size, self.kv_lora_rank, self.scale)
+        return self.unabsorb_o(o_lat.to(dtype))
+
+    def _prefill(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, dtype) -> torch.Tensor:
+        """Each sequence: absorbed paged attention when its score matrix is large, else expanded."""
+        o = torch.empty(q.shape[0], self.num_heads, self.v_dim, dtype=dtype, device=q.device)
+        expanded = []
+        for i in range(batch.num_seqs):
+            s, e = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+            ctx = int(batch.context_lens[i])
+            if (e - s) * ctx * self.num_heads > EXPANDED_PREFILL_MAX_SCORES:
+                o_lat = mla_prefill_paged(
+                    self.absorb_q(q[s:e]), cache, batch.block_tables[i], ctx - (e - s),
+                    batch.cache.block_size, self.kv_lora_rank, self.scale,
+                )
+                o[s:e] = self.unabsorb_o(o_lat.to(dtype))
+            else:
+                expanded.append(i)
+        if expanded:
+            self._prefill_expanded(q, o, cache, batch, expanded, dtype)
+        return o

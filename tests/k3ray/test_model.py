@@ -82,6 +82,36 @@ def test_batch_equals_each_sequence_alone(tiny):
         assert max_rel(ref, dec[i]) <= FP32_REL
 
 
+def test_mixed_step_equals_each_sequence_alone(tiny):
+    """A step with decodes beside prefill chunks (split onto the decode kernels) gives each sequence
+    the logits it gets alone; a 1-token prompt (no cached prefix) stays on the prefill side."""
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (9, 17, 1, 12, 5)]
+    new = [torch.randint(0, 256, (n,), generator=gen) for n in (1, 6, 1, 1, 3)]  # 1, 1: decodes
+    cache = ModelCache.allocate(tiny.config, 8, 64, BS)
+    slots = torch.tensor([3, 1, 6, 0, 4])
+    tables = torch.stack([torch.arange(8 * i, 8 * i + 8) for i in range(5)])
+    first = [0, 1, 3, 4]  # sequence 2's prompt arrives in the mixed step
+    cu = torch.tensor([0] + [p.numel() for i, p in enumerate(prompts) if i in first]).cumsum(0)
+    with torch.no_grad():
+        tiny(torch.cat([prompts[i] for i in first]), ForwardBatch(
+            cu, torch.tensor([prompts[i].numel() for i in first]), slots[first], tables[first], cache))
+    chunks = [new[0], new[1], prompts[2], new[3], new[4]]
+    cu = torch.tensor([0] + [c.numel() for c in chunks]).cumsum(0)
+    lens = [prompts[i].numel() + new[i].numel() if i in first else 1 for i in range(5)]
+    b = ForwardBatch(cu, torch.tensor(lens), slots, tables, cache)
+    split = b.decode_split()
+    assert not b.is_decode and split is not None
+    assert split.decode.num_seqs == 2 and split.decode_rows.tolist() == [0, cu[3].item()]
+    with torch.no_grad():
+        mixed = tiny(torch.cat(chunks), b)
+    for i in range(5):
+        whole = torch.cat([prompts[i], new[i]]) if i in first else prompts[i]
+        split_at = [prompts[i].numel(), new[i].numel()] if i in first else [1]
+        ref = run_chunks(tiny, whole, split_at)[-chunks[i].numel():]
+        assert max_rel(ref, mixed[cu[i] : cu[i + 1]]) <= FP32_REL, i
+
+
 def test_bf16_model_tracks_fp32(ids):
     """Same (bf16-representable) weights, bf16 vs fp32 activations."""
     c = k3_tiny_config()
