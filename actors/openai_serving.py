@@ -1,5 +1,6 @@
 """What the OpenAI routes share: the served model, prompt tokenization and context checks, request
-fields -> SamplingParams, and running several prompts through the AsyncEngine as one stream.
+fields -> SamplingParams, and running several prompts through the engine (an AsyncEngine, or an
+EngineClient whose engine runs in its own process) as one stream.
 
 Everything that can be wrong with a request is found here, before the engine sees it, and raised
 as a 400 APIError; leaving a stream early (a client disconnect cancels the handler) aborts every
@@ -23,6 +24,7 @@ import httpx
 from k3ray.actors.openai_errors import APIError, bad_request, from_value_error
 from k3ray.actors.openai_protocol import ChatMessage, SamplingFields
 from k3ray.engine.async_engine import AsyncEngine
+from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
 from k3ray.engine.outputs import RequestOutput
 from k3ray.sampling_params import SamplingParams
@@ -48,13 +50,14 @@ class Prompt:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, metrics=None) -> None:
+    def __init__(self, engine: AsyncEngine | EngineClient, tokenizer, model_name: str, metrics=None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
-        self.max_model_len: int = engine.engine.max_model_len
-        self.vocab_size: int = engine.engine.vocab_size
+        self.info = engine.info
+        self.max_model_len: int = self.info.max_model_len
+        self.vocab_size: int = self.info.vocab_size
         self.created = int(time.time())
 
     # models ------------------------------------------------------------------------------------
@@ -99,7 +102,7 @@ class OpenAIServing:
         media = self._chat_media(dicts)
         if not media:
             return ids
-        placeholder = self.engine.engine.model_config.media_placeholder_token_id
+        placeholder = self.info.model_config.media_placeholder_token_id
         try:
             return expand_placeholders(ids, placeholder, [m.num_tokens for m in media]).token_ids
         except ValueError as e:
@@ -121,7 +124,7 @@ class OpenAIServing:
                 d["role"] = "system"
             for j, part in enumerate(d.get("content") if isinstance(d.get("content"), list) else []):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind in AUDIO_PART_TYPES or (kind in MEDIA_PART_KINDS and not self.engine.engine.supports_media):
+                if kind in AUDIO_PART_TYPES or (kind in MEDIA_PART_KINDS and not self.info.supports_media):
                     what = "this model has no audio input" if kind in AUDIO_PART_TYPES else \
                         "this model has no vision tower"
                     raise bad_request(f"{kind} content parts are not supported: {what}; send text parts only",
@@ -133,7 +136,7 @@ class OpenAIServing:
             raise bad_request(str(e), "messages") from e
 
     def _chat_media(self, dicts: list[dict]) -> list[ProcessedMedia]:
-        mm = self.engine.engine.multimodal
+        mm = self.info.multimodal
         fetch = self._fetch if mm.allow_remote_urls else None
         try:
             return media_from_messages(dicts, mm.media, fetch=fetch, max_items=mm.max_items_per_prompt)
@@ -142,7 +145,7 @@ class OpenAIServing:
 
     def _fetch(self, url: str) -> bytes:
         """GET an http(s) media URL (only when the server allows remote media URLs)."""
-        mm = self.engine.engine.multimodal
+        mm = self.info.multimodal
         limit = mm.media.max_input_bytes
         try:
             with httpx.stream("GET", url, timeout=mm.fetch_timeout_s, follow_redirects=True) as response:

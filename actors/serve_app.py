@@ -5,12 +5,15 @@
 
 `build_app(args)` is the Serve import path; args are ServeArgs fields. A replica with pipeline or
 expert_parallel > 1 declares its placement-group bundles up front, so its stages, routers and
-expert shards are reserved, started and released together with it.
+expert shards are reserved, started and released together with it. An undistributed model runs in
+an engine process of the replica's own (EngineClient; `engine_process=False`: in the replica's
+process), so the model's steps and Serve's request handling do not take turns on one GIL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 
@@ -21,9 +24,11 @@ from ray.serve import Application
 from k3ray.actors.openai_routes import build_openai_app
 from k3ray.actors.openai_serving import OpenAIServing
 from k3ray.actors.serve_config import ServeArgs, deployment_options
-from k3ray.actors.serve_engine import build_engine
+from k3ray.actors.serve_engine import build_engine, local_engine
 from k3ray.actors.serve_metrics import ServeMetrics
 from k3ray.engine.async_engine import AsyncEngine
+from k3ray.engine.engine_client import EngineClient
+from k3ray.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +38,20 @@ logger = logging.getLogger(__name__)
 class K3Server:
     async def __init__(self, args: dict) -> None:
         self.args = ServeArgs.model_validate(args)
-        placement_group = ray.util.get_current_placement_group() if self.args.distributed else None
-        engine, self.executor = await asyncio.to_thread(build_engine, self.args, placement_group)
-        self.engine = AsyncEngine(engine)
+        self.executor = None
+        self.engine: AsyncEngine | EngineClient
+        if self.args.engine_process and not self.args.distributed:
+            self.engine = await asyncio.to_thread(EngineClient.start, functools.partial(local_engine, self.args))
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.args.model)
+        else:
+            placement_group = ray.util.get_current_placement_group() if self.args.distributed else None
+            engine, self.executor = await asyncio.to_thread(build_engine, self.args, placement_group)
+            self.engine, tokenizer = AsyncEngine(engine), engine.tokenizer
         expert_load = getattr(self.executor, "expert_load", None)
         self.metrics = ServeMetrics(self.args.served_model_name, self.engine.get_stats, expert_load)
-        self.serving = OpenAIServing(self.engine, engine.tokenizer, self.args.served_model_name, self.metrics)
+        self.serving = OpenAIServing(self.engine, tokenizer, self.args.served_model_name, self.metrics)
         logger.info("K3Server ready: %s, max_model_len %d, %s", self.args.served_model_name,
-                    engine.max_model_len, type(self.executor).__name__)
+                    self.engine.info.max_model_len, type(self.executor or self.engine).__name__)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.serving, metrics=self.metrics, health=self.health,
@@ -48,7 +59,10 @@ class K3Server:
                                 max_body_bytes=self.args.max_body_bytes)
 
     async def health(self) -> tuple[bool, str]:
-        """A local model is healthy while the replica answers; a Ray pipeline pings its actors."""
+        """A local model is healthy while the replica answers (and its engine process lives); a Ray
+        pipeline pings its actors."""
+        if isinstance(self.engine, EngineClient):
+            return self.engine.alive, f"engine process exit code {self.engine.process.poll()}"
         executor_health = getattr(self.executor, "health", None)
         if executor_health is None:
             return True, ""
@@ -63,7 +77,7 @@ class K3Server:
             raise RuntimeError(detail)
 
     async def __del__(self) -> None:
-        """Serve stops the replica: end its requests, then its model actors (if any)."""
+        """Serve stops the replica: end its requests, then its engine process or model actors."""
         if hasattr(self, "engine"):
             await self.engine.shutdown()
         shutdown = getattr(getattr(self, "executor", None), "shutdown", None)

@@ -42,6 +42,8 @@ class ServeArgs(BaseModel):
     moe_dispatch: Literal["router", "direct"] = Field(
         "router", description="MoE rows through each stage's router actor, or from the stage straight to its shards")
     torch_threads: int | None = Field(None, ge=1)
+    engine_process: bool = Field(
+        True, description="run an undistributed model's engine in its own process (no GIL shared with HTTP work)")
     # autoscaling (Serve's AutoscalingConfig)
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)

@@ -76,3 +76,9 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
             shutdown()
         raise
     return engine, executor
+
+
+def local_engine(args: ServeArgs) -> LLMEngine:
+    """build_engine for an undistributed model, as an engine process's factory (picklable by name)."""
+    assert not args.distributed, "a pipeline's actors belong to the replica, not to an engine process"
+    return build_engine(args)[0]

@@ -18,7 +18,8 @@ import time
 APP_FLAGS = (
     "model", "served_model_name", "dtype", "pipeline", "expert_parallel", "replica_cpus", "stage_cpus",
     "shard_cpus", "router_cpus", "stage_gpus", "shard_gpus", "replica_gpus", "vision_cpus", "vision_gpus",
-    "allow_remote_media_urls", "max_media_bytes", "max_media_per_prompt", "media_fetch_timeout_s", "placement_strategy", "moe_dispatch", "torch_threads", "min_replicas", "max_replicas",
+    "allow_remote_media_urls", "max_media_bytes", "max_media_per_prompt", "media_fetch_timeout_s", "placement_strategy", "moe_dispatch", "torch_threads", "engine_process",
+    "min_replicas", "max_replicas",
     "initial_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "metrics_interval_s",
     "look_back_period_s", "max_ongoing_requests", "max_queued_requests", "retry_after_s", "api_key",
     "max_body_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "cache_memory_mb",
@@ -58,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--moe-dispatch", choices=["router", "direct"], default=None,
                    help="MoE rows through each stage's router actor (default), or straight to its shards")
     m.add_argument("--torch-threads", type=int, default=None)
+    m.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="an undistributed model's engine in its own process, apart from HTTP handling (default on)")
     a = p.add_argument_group("replicas and admission")
     a.add_argument("--min-replicas", type=int, default=None, help="default 1")
     a.add_argument("--max-replicas", type=int, default=None, help="default 1 (no autoscaling)")

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 
+from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.sequence import Request
@@ -64,6 +65,10 @@ class AsyncEngine:
 
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo.of(self.engine)
 
     async def shutdown(self) -> None:
         if self._task is not None:

@@ -1,0 +1,239 @@
+"""The engine in a process of its own, driven from a server's event loop — vLLM V1's EngineCore
+split: the model's step loop and the server's request handling no longer share one GIL, so HTTP
+work does not stall steps and steps do not stall HTTP work. Same interface as AsyncEngine.
+
+    client = EngineClient.start(functools.partial(build, args))   # the factory runs in the child
+    async for out in client.generate(prompt_ids, SamplingParams(max_tokens=32), "req-1"):
+        print(out.outputs[0].token_ids)      # cumulative; the last one has out.finished
+    await client.shutdown()
+
+Outputs cross the socket as deltas (output_delta.py); a reader and a sender thread do the blocking
+socket I/O, so the event loop never waits on the engine. A consumer that falls behind gets the
+latest cumulative output instead of every intermediate one. If the engine process dies, every
+open stream fails with a RuntimeError naming its exit code, `alive` turns False, and new requests
+are refused with the same error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Seq
+from multiprocessing.connection import Connection
+
+from k3ray.engine.engine_core_proc import recv, send
+from k3ray.engine.engine_info import EngineInfo
+from k3ray.engine.output_delta import DeltaDecoder
+from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.stats import EngineStats
+from k3ray.sampling_params import SamplingParams
+from k3ray.vision import ProcessedMedia
+
+SHUTDOWN_GRACE_S = 10.0
+
+
+class EngineClient:
+    def __init__(self, process: subprocess.Popen, conn: Connection, info: EngineInfo, stats: EngineStats) -> None:
+        self.process = process
+        self.info = info
+        self._conn = conn
+        self._stats = stats
+        self._decoder = DeltaDecoder()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: RuntimeError | None = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages for the sender thread; None ends it
+        # blocking socket I/O off the event loop: a large media message never stalls it, and the
+        # reader keeps draining outputs while the sender waits for the engine to take a message
+        self._reader = threading.Thread(target=self._read_loop, name="engine-client-reader", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="engine-client-sender", daemon=True)
+        self._reader.start()
+        self._sender.start()
+
+    @classmethod
+    def start(cls, factory: Callable[[], object], startup_timeout_s: float | None = None) -> EngineClient:
+        """Start the engine process and wait (blocking) until `factory()` has built its LLMEngine.
+        factory must be picklable; an error it raises is raised here."""
+        parent_end, child_end = socket.socketpair()
+        process = subprocess.Popen([sys.executable, "-m", "k3ray.engine.engine_core_proc", str(child_end.fileno())],
+                                   pass_fds=(child_end.fileno(),))
+        child_end.close()
+        conn = Connection(parent_end.detach())
+        try:
+            send(conn, factory)
+            message = _wait_ready(conn, process, startup_timeout_s)
+        except BaseException:
+            _stop(process, conn, grace_s=0)
+            raise
+        if message[0] == "failed":
+            _stop(process, conn, grace_s=SHUTDOWN_GRACE_S)
+            raise message[1]
+        return cls(process, conn, message[1], message[2])
+
+    # requests ---------------------------------------------------------------------------------
+    async def generate(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
+                       media: Seq[ProcessedMedia] | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as tokens arrive, the last with finished=True. Raises ValueError before
+        the first output if the request cannot run; leaving the iteration early aborts it."""
+        self._attach()
+        if self._error is not None:
+            raise self._error
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt), params,
+                    list(media) if media else None, time.monotonic()))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                while not stream.empty() and isinstance(item, RequestOutput):  # fell behind: the latest only
+                    item = stream.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason 'abort'."""
+        if request_id in self._streams and self._error is None:
+            self._send(("abort", request_id))
+
+    def get_stats(self) -> EngineStats:
+        """As of the engine's last step (or abort)."""
+        return self._stats
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None and self.process.poll() is None
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Stop the engine process (waiting up to SHUTDOWN_GRACE_S, then killing it); open streams
+        fail with 'the engine was shut down'."""
+        if self._error is None:
+            self._error = RuntimeError("the engine was shut down")
+        self._outbox.put(("shutdown",))
+        self._outbox.put(None)
+        self._sender.join(timeout=SHUTDOWN_GRACE_S)
+        _stop(self.process, self._conn, grace_s=SHUTDOWN_GRACE_S, send_shutdown=False)
+        self._reader.join(timeout=SHUTDOWN_GRACE_S)
+        self._dispatch(self._fail_all, self._error)
+
+    # the socket -------------------------------------------------------------------------------
+    def _attach(self) -> None:
+        """Deliver outputs to the running loop (moving over from an earlier loop once its streams ended)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            assert not self._streams, "an EngineClient's streams all run on one event loop"
+            self._loop = loop
+
+    def _send(self, message: tuple) -> None:
+        self._outbox.put(message)
+
+    def _send_loop(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                send(self._conn, message)
+            except OSError:  # the engine process is gone; the reader reports it
+                return
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message = recv(self._conn)
+            except (EOFError, OSError):
+                self._dispatch(self._on_exit)
+                return
+            self._dispatch(self._on_message, message)
+
+    def _dispatch(self, fn, *args) -> None:
+        """Run fn on the streams' event loop (directly when there is none: then no stream is open)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+                return
+            except RuntimeError:  # the loop closed in between
+                pass
+        fn(*args)
+
+    def _on_message(self, message: tuple) -> None:
+        kind, deltas, errors, stats = message
+        assert kind == "step", f"unexpected message {kind!r}"
+        self._stats = stats
+        for request_id, error in errors:
+            self._decoder.forget(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put_nowait(error)
+        for delta in deltas:
+            out = self._decoder.decode(delta)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+
+    def _on_exit(self) -> None:
+        """The socket closed under us: the engine process is gone (or close() stopped it)."""
+        if self._error is None:
+            try:
+                code = self.process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            self._error = RuntimeError(f"the engine process (pid {self.process.pid}) exited with code {code}")
+        self._fail_all(self._error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._streams.pop(request_id).put_nowait(error)
+
+
+def _wait_ready(conn: Connection, process: subprocess.Popen, timeout_s: float | None) -> tuple:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not conn.poll(1.0):
+        if process.poll() is not None:
+            raise RuntimeError(f"the engine process exited with code {process.returncode} while starting")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"the engine process did not start within {timeout_s} s")
+    try:
+        return recv(conn)
+    except EOFError:
+        code = process.wait(timeout=SHUTDOWN_GRACE_S)
+        raise RuntimeError(f"the engine process exited with code {code} while starting") from None
+
+
+def _stop(process: subprocess.Popen, conn: Connection, grace_s: float, send_shutdown: bool = True) -> None:
+    """Ask the process to stop (or expect it to, after a shutdown message), wait up to grace_s,
+    then kill it; close the socket."""
+    if process.poll() is None and not conn.closed and grace_s > 0:
+        if send_shutdown:
+            try:
+                send(conn, ("shutdown",))
+            except OSError:
+                pass
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    if not conn.closed:
+        conn.close()

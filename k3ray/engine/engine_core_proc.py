@@ -1,0 +1,99 @@
+"""The engine's own process (started by EngineClient): build the engine, then loop — apply the
+requests and aborts that arrived, run one step, send its outputs as deltas with the engine's
+stats. It blocks on the socket while idle and exits when the socket closes (its parent is gone)
+or a shutdown message arrives.
+
+    python -m k3ray.engine.engine_core_proc FD     # FD: this end of the parent's socketpair
+
+Messages in:  ("add", request_id, prompt, params, media, arrival_time) | ("abort", request_id)
+              | ("shutdown",); the first message is the engine factory (a picklable callable).
+Messages out: ("ready", EngineInfo, EngineStats) | ("failed", error) once, then
+              ("step", [OutputDelta], [(request_id, error)], EngineStats) whenever something happened.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from multiprocessing.connection import Connection
+
+from k3ray.engine.engine_info import EngineInfo
+from k3ray.engine.output_delta import DeltaEncoder
+
+
+def send(conn: Connection, message) -> None:
+    """Plain pickle: multiprocessing's pickler would pass tensors as shared-memory handles that
+    only a multiprocessing-spawned peer can open."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection):
+    return pickle.loads(conn.recv_bytes())
+
+
+def portable(error: BaseException) -> BaseException:
+    """The error itself if it survives pickling, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def serve_engine(engine, conn: Connection) -> None:
+    """Run until the parent sends ("shutdown",) or closes the socket."""
+    encoder = DeltaEncoder()
+    while True:
+        outputs, errors = [], []
+        try:
+            # block while idle with nothing to report; otherwise only take what has already arrived
+            while conn.poll(0 if engine.has_unfinished_requests() or outputs or errors else None):
+                message = recv(conn)
+                if message[0] == "add":
+                    request_id, prompt, params, media, arrival_time = message[1:]
+                    try:
+                        engine.add_request(request_id, prompt, params, arrival_time, media)
+                    except Exception as e:  # noqa: BLE001 - this request fails (ValueError: a bad one), the rest go on
+                        errors.append((request_id, portable(e)))
+                elif message[0] == "abort":
+                    final = engine.abort_request(message[1])
+                    if final is not None:
+                        outputs.append(final)
+                else:
+                    assert message[0] == "shutdown", f"unknown message {message[0]!r}"
+                    return
+        except (EOFError, OSError):
+            return
+        if engine.has_unfinished_requests():
+            try:
+                outputs.extend(engine.step())
+            except Exception as e:  # noqa: BLE001 - the step was rolled back; fail every request with the cause
+                error = portable(e)
+                for request_id in list(engine.requests):
+                    engine.abort_request(request_id)
+                    encoder.forget(request_id)
+                    errors.append((request_id, error))
+        if outputs or errors:
+            try:
+                send(conn, ("step", [encoder.encode(o) for o in outputs], errors, engine.get_stats()))
+            except (EOFError, OSError):
+                return
+
+
+def main(argv: list[str]) -> int:
+    conn = Connection(int(argv[0]))
+    try:
+        factory = recv(conn)
+        engine = factory()
+    except (EOFError, OSError):
+        return 1
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        send(conn, ("failed", portable(e)))
+        return 1
+    send(conn, ("ready", EngineInfo.of(engine), engine.get_stats()))
+    serve_engine(engine, conn)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
