@@ -119,12 +119,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if args.endpoint is not None:
             return _bench(args, args.endpoint.rstrip("/"), levels, counts, percentiles, slos, serve_args)
-        from k3ray.evals.serve_bench.server import local_serve_app, take_worker_priority
+        from k3ray.evals.serve_bench.server import local_serve_app
 
         with local_serve_app(serve_args) as url:
-            # on this shared machine the load generator and the in-process engine must not outrank
-            # the server's processes, which Ray runs at a lower CPU priority
-            take_worker_priority()
             return _bench(args, url, levels, counts, percentiles, slos, serve_args)
     finally:
         torch.set_num_threads(threads)  # build_engine set the replica's thread count in this process

@@ -50,13 +50,6 @@ def local_serve_app(serve_args: dict, port: int | None = None) -> Iterator[str]:
         serve_launch.stop(owns_ray=started)
 
 
-def take_worker_priority() -> int:
-    """Lower this process's CPU priority to the one Ray's raylet gives the workers it starts (the
-    replica, its engine process, the proxy: niceness RAY_worker_niceness, default 15); returns the
-    new niceness. Irreversible for the process."""
-    return os.nice(max(0, int(os.environ.get("RAY_worker_niceness", "15")) - os.nice(0)))
-
-
 def server_facts(url: str, model: str | None, timeout: float = 30.0) -> tuple[str, dict]:
     """(the served model name, /tokenizer_info or {})."""
     with httpx.Client(base_url=url, timeout=timeout) as client:
