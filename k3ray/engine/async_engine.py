@@ -12,12 +12,13 @@ queued and applied between steps (the engine itself is single-threaded).
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.llm_engine import LLMEngine
-from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.outputs import RequestOutput, follow
 from k3ray.engine.sequence import Request
 from k3ray.engine.stats import EngineStats
 from k3ray.sampling_params import SamplingParams
@@ -45,17 +46,9 @@ class AsyncEngine:
         self._streams[request_id] = queue
         self._pending.append(request)
         self._start()
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        async with aclosing(follow(queue, lambda: self.abort(request_id))) as outputs:  # closing this stream aborts the request now
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         """Stop a request (applied before the next step); its stream ends with finish_reason 'abort'."""

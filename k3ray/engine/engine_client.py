@@ -17,6 +17,7 @@ are refused with the same error.
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 import queue
 import socket
 import subprocess
@@ -30,7 +31,7 @@ from multiprocessing.connection import Connection
 from k3ray.engine.engine_core_proc import recv, send
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.output_delta import DeltaDecoder
-from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.outputs import RequestOutput, follow
 from k3ray.engine.stats import EngineStats
 from k3ray.sampling_params import SamplingParams
 from k3ray.vision import ProcessedMedia
@@ -93,19 +94,9 @@ class EngineClient:
         self._streams[request_id] = stream
         self._send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt), params,
                     list(media) if media else None, time.monotonic()))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.get()
-                while not stream.empty() and isinstance(item, RequestOutput):  # fell behind: the latest only
-                    item = stream.get_nowait()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        async with aclosing(follow(stream, lambda: self.abort(request_id))) as outputs:  # closing this stream aborts the request now
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason 'abort'."""
@@ -140,6 +131,8 @@ class EngineClient:
         """Deliver outputs to the running loop (moving over from an earlier loop once its streams ended)."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
+            if self._loop is not None and self._loop.is_closed():
+                self._streams.clear()  # aborted with their loop; their final outputs have no reader
             assert not self._streams, "an EngineClient's streams all run on one event loop"
             self._loop = loop
 
@@ -188,7 +181,7 @@ class EngineClient:
             if stream is not None:
                 stream.put_nowait(out)
                 if out.finished:
-                    del self._streams[out.request_id]
+                    self._streams.pop(out.request_id, None)
 
     def _on_exit(self) -> None:
         """The socket closed under us: the engine process is gone (or close() stopped it)."""

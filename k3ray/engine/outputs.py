@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 
@@ -55,3 +57,21 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+
+
+async def follow(stream: asyncio.Queue, abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue (cumulative RequestOutputs, or an exception to raise) up
+    to the finished one; a consumer that fell behind gets only the latest; leaving early aborts."""
+    finished = False
+    try:
+        while not finished:
+            item = await stream.get()
+            while not stream.empty() and isinstance(item, RequestOutput):
+                item = stream.get_nowait()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            abort()
