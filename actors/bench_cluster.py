@@ -3,8 +3,9 @@
 layer, and the same decode loop through Ray Compiled Graphs.
 
 dispatch_ms_per_layer is the latency one MoE layer's dispatch adds over computing the same rows'
-experts locally, with the --moe-dispatch mode; dispatch_added_ms holds both modes (through the
-router actor, or from the stage straight to the shards) and dispatch_total_ms their wall times."""
+experts locally, with the --moe-dispatch mode; dispatch_added_ms holds each mode measured (through
+the router actor, from the caller straight to the shards, and with --moe-dispatch compiled the
+stage's compiled graph, timed inside that stage) and dispatch_total_ms their wall times."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=16, help="decode steps per repetition")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
-    p.add_argument("--moe-dispatch", choices=["router", "direct"], default="router",
+    p.add_argument("--moe-dispatch", choices=["router", "direct", "compiled"], default="router",
                    help="how the Ray runner's stages reach the expert shards")
 
 
@@ -122,8 +123,7 @@ def run(args: argparse.Namespace) -> dict:
         # one MoE dispatch of a decode step's latent rows: via the router, or straight to the shards
         group = next(g for g in runner.groups if g.router is not None)
         router = group.router
-        layer = next(i for i in range(*runner.groups[0].layers) if local.config.is_moe_layer(i)) \
-            if runner.groups[0].router is not None else None
+        layer = next(i for i in range(*group.layers) if local.config.is_moe_layer(i))
         moe = local.model.layers[str(layer)].block_sparse_moe
         x = torch.randn(B, D)
         weights, ids = moe.gate(x)
@@ -133,6 +133,8 @@ def run(args: argparse.Namespace) -> dict:
             "router": _median_ms(lambda: unpack(ray.get(router.dispatch.remote(layer, rows))), 20 * args.repeats),
             "direct": _median_ms(lambda: fan_out(group.shards, layer, h, ids, weights, 60.0), 20 * args.repeats),
         }
+        if args.moe_dispatch == "compiled":  # timed inside the stage that drives the compiled graph
+            total_ms["compiled"] = ray.get(group.stage.dispatch_ms.remote(layer, rows, 20 * args.repeats))
         with torch.no_grad():
             expert_ms = _median_ms(lambda: moe.experts(h, ids, weights), 20 * args.repeats)
         added_ms = {mode: ms - expert_ms for mode, ms in total_ms.items()}

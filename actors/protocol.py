@@ -7,6 +7,10 @@ from typing import Any
 
 import torch
 
+# how a stage's MoE layers reach the expert shards: via the stage's router actor, by the stage's own
+# actor calls, or through a Ray Compiled Graph the stage compiles over its shards
+MOE_DISPATCH_MODES = ("router", "direct", "compiled")
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -38,8 +42,8 @@ class ParallelConfig:
         strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
         if self.placement_strategy not in strategies:
             raise ValueError(f"placement_strategy must be one of {strategies}, got {self.placement_strategy!r}")
-        if self.moe_dispatch not in ("router", "direct"):
-            raise ValueError(f"moe_dispatch must be 'router' or 'direct', got {self.moe_dispatch!r}")
+        if self.moe_dispatch not in MOE_DISPATCH_MODES:
+            raise ValueError(f"moe_dispatch must be one of {MOE_DISPATCH_MODES}, got {self.moe_dispatch!r}")
         if self.call_timeout_s <= 0:
             raise ValueError(f"call_timeout_s must be > 0, got {self.call_timeout_s}")
 

@@ -5,7 +5,7 @@ The MoERouter actor (one per stage) owns a stage's shard map and per-expert load
 ParallelConfig.moe_dispatch = "router" every MoE layer's rows go stage -> router -> shards ->
 router -> stage; with "direct" the stage fans out to the router's shards itself (one Ray hop fewer
 per layer: two sequential actor calls cost ~1.3 ms here) and reports its load counts to the router
-once per step."""
+once per step; "compiled" is "direct" through a Ray Compiled Graph over the shards (stage.py)."""
 
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ class RayModelRunner:
 
     def expert_load(self) -> list[list[int]]:
         """Per stage: routed (token, expert) pairs per expert since start (Router counters)."""
-        if self.parallel.moe_dispatch == "direct":
+        if self.parallel.moe_dispatch != "router":
             self._get([g.stage.flush_load.remote() for g in self.groups if g.router], "expert load")
         return [self._get(g.router.expert_load.remote(), "expert load") if g.router else [] for g in self.groups]
 
@@ -189,6 +189,8 @@ class RayModelRunner:
                                "it restarts with empty caches, so in-flight requests are lost") from e
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
+            if isinstance(cause, StageFailure):
+                raise StageFailure(f"{what} failed inside the pipeline: {cause}") from e
             if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
                 raise StageFailure(f"{what} failed inside the pipeline: {type(cause).__name__}: {cause}") from e
             raise

@@ -39,8 +39,9 @@ class ServeArgs(BaseModel):
     max_media_per_prompt: int = Field(128, ge=0)
     media_fetch_timeout_s: float = Field(10.0, gt=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    moe_dispatch: Literal["router", "direct"] = Field(
-        "router", description="MoE rows through each stage's router actor, or from the stage straight to its shards")
+    moe_dispatch: Literal["router", "direct", "compiled"] = Field(
+        "router", description="MoE rows through each stage's router actor, or from the stage straight to its shards "
+        "(by actor calls, or through a Ray Compiled Graph)")
     torch_threads: int | None = Field(None, ge=1)
     engine_process: bool = Field(
         True, description="run an undistributed model's engine in its own process (no GIL shared with HTTP work)")

@@ -1,6 +1,6 @@
 """PipelineStage actor: contiguous layers [a, b) of the model with their caches; its MoE layers
-send the latent rows to the stage's Router actor, or straight to the router's expert shards
-(ParallelConfig.moe_dispatch, see k3ray.actors.router). The first stage embeds, the last returns
+send the latent rows to the stage's Router actor, or straight to the router's expert shards by
+actor calls or through a Ray Compiled Graph (ParallelConfig.moe_dispatch, see k3ray.actors.router). The first stage embeds, the last returns
 logits; between stages the AttnRes state (partial sum + bank) travels as an object ref. Media
 embeddings (from the replica's VisionEncoder, via the engine) are spliced in by the first stage."""
 
@@ -10,7 +10,7 @@ import ray
 import torch
 from torch import nn
 
-from k3ray.actors.protocol import CacheSpec, StepArgs
+from k3ray.actors.protocol import CacheSpec, StageFailure, StepArgs
 from k3ray.actors.router import fan_out
 from k3ray.actors.wire import Bundle, pack, unpack
 
@@ -26,10 +26,13 @@ class DirectDispatch:
         self.dispatches = 0
 
     def __call__(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        y = fan_out(self.shards, layer_idx, h, ids, weights, self.timeout_s)
+        y = self.fan_out(layer_idx, h, ids, weights)
         self.load += torch.bincount(ids.flatten(), minlength=self.load.numel())
         self.dispatches += 1
         return y
+
+    def fan_out(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return fan_out(self.shards, layer_idx, h, ids, weights, self.timeout_s)
 
     def flush(self) -> "ray.ObjectRef | None":
         if not self.dispatches:
@@ -38,6 +41,69 @@ class DirectDispatch:
         self.load = torch.zeros_like(self.load)
         self.dispatches = 0
         return ref
+
+
+class CompiledDispatch(DirectDispatch):
+    """Direct dispatch through a Ray Compiled Graph that the stage compiles over its shards: the
+    rows go out and the partial outputs come back over Ray's compiled-graph channels instead of one
+    actor call per shard. Every shard gets a (possibly empty) slice each layer, since a compiled
+    graph runs all its nodes. A failed execution tears the graph down; the next call compiles it
+    again (a restarted shard is a new process). A restarted stage restarts its shards first."""
+
+    def __init__(self, router: "ray.actor.ActorHandle", num_experts: int, timeout_s: float):
+        super().__init__(router, num_experts, timeout_s)
+        self.graph = None
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._restart_shards()
+
+    def _restart_shards(self) -> None:
+        """A restarted stage: its shards may still be held by the dead stage's compiled graph (an
+        actor runs one at a time, and a graph whose driver died is not released), so they restart
+        too, reloading their weights."""
+        import time
+
+        for _, _, shard in self.shards:
+            ray.kill(shard, no_restart=False)
+        deadline = time.monotonic() + self.timeout_s
+        for _, _, shard in self.shards:
+            while True:
+                try:
+                    ray.get(shard.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                    break
+                except ray.exceptions.RayActorError:  # still going down or coming back
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+
+    def fan_out(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.graph is None:
+            self.graph = self._compile()
+        rows = [((ids >= e0) & (ids < e1)).any(-1).nonzero().squeeze(-1) for e0, e1, _ in self.shards]  # [T_s] each
+        try:
+            parts = ray.get(self.graph.execute(layer_idx, *(pack(h[r], ids[r], weights[r]) for r in rows)),
+                            timeout=self.timeout_s)
+        except Exception as e:
+            self.close()
+            raise StageFailure(f"compiled MoE dispatch of layer {layer_idx} failed: {type(e).__name__}: {e}") from e
+        y = torch.zeros(h.shape, dtype=torch.float32)
+        for r, part in zip(rows, parts):
+            y.index_add_(0, r, unpack(part)[0])
+        return y
+
+    def _compile(self):
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as inp:  # inp[0]: the layer, inp[1 + s]: shard s's rows
+            graph = MultiOutputNode([shard.compute.bind(inp[0], inp[1 + s]) for s, (_, _, shard) in enumerate(self.shards)])
+        return graph.experimental_compile()
+
+    def close(self) -> None:
+        if self.graph is not None:
+            graph, self.graph = self.graph, None
+            try:
+                graph.teardown()
+            except Exception:  # noqa: BLE001 - a graph with a dead actor may not tear down cleanly
+                pass
 
 
 class RemoteExperts(nn.Module):
@@ -74,8 +140,9 @@ class PipelineStage:
         self.direct: DirectDispatch | None = None
         if has_moe:
             assert router is not None, "a stage with MoE layers needs a router"
-            if moe_dispatch == "direct":
-                self.direct = DirectDispatch(router, config.num_experts, call_timeout_s)
+            if moe_dispatch in ("direct", "compiled"):
+                kind = CompiledDispatch if moe_dispatch == "compiled" else DirectDispatch
+                self.direct = kind(router, config.num_experts, call_timeout_s)
             for i, layer in model.model.layers.items():
                 if hasattr(layer, "block_sparse_moe"):
                     layer.block_sparse_moe.experts = RemoteExperts(router, int(i), call_timeout_s, self.direct)
@@ -122,6 +189,23 @@ class PipelineStage:
             ref = self.direct.flush()
             if ref is not None:
                 ray.get(ref, timeout=self.direct.timeout_s)
+
+    @torch.no_grad()
+    def dispatch_ms(self, layer_idx: int, rows: Bundle, repeats: int) -> float:
+        """Median wall time of this stage's direct or compiled dispatch of one layer's rows, ms
+        (k3ray bench cluster; a compiled graph can only be driven by the process that compiled it)."""
+        import statistics
+        import time
+
+        assert self.direct is not None, "only a stage with direct or compiled dispatch"
+        h, ids, weights = unpack(rows)
+        self.direct.fan_out(layer_idx, h, ids, weights)  # compiles the graph, warms both paths
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.direct.fan_out(layer_idx, h, ids, weights)
+            times.append(time.perf_counter() - t0)
+        return 1000 * statistics.median(times)
 
     def relay(self, carry):
         """Hand a carry straight on (measures the Ray cost of one pipeline hop)."""

@@ -49,13 +49,15 @@ def local_result(checkpoint):
 
 
 # the echo model accepts drafts; the random tiny model rejects them (rollback by slot choice)
-@pytest.mark.parametrize("pipeline, expert_parallel, model", [(1, 1, "echo"), (2, 2, "echo"), (3, 4, "echo"),
-                                                                (2, 2, "random")])
-def test_ray_executor_equals_local(ray_cluster, echo_checkpoint, tiny_checkpoint, pipeline, expert_parallel, model):
+@pytest.mark.parametrize("pipeline, expert_parallel, model, dispatch", [
+    (1, 1, "echo", "router"), (2, 2, "echo", "router"), (3, 4, "echo", "router"), (2, 2, "random", "router"),
+    (2, 2, "random", "compiled")])
+def test_ray_executor_equals_local(ray_cluster, echo_checkpoint, tiny_checkpoint, pipeline, expert_parallel, model,
+                                   dispatch):
     checkpoint = echo_checkpoint if model == "echo" else tiny_checkpoint
     ref, ref_stats = local_result(checkpoint)
     tok = load_tokenizer(checkpoint)
-    executor = RayExecutor(checkpoint, ParallelConfig(pipeline, expert_parallel, **ON_NODES))
+    executor = RayExecutor(checkpoint, ParallelConfig(pipeline, expert_parallel, moe_dispatch=dispatch, **ON_NODES))
     try:
         engine = LLMEngine(executor, CONFIG, tok)
         prompts, params = workload(tok)

@@ -43,7 +43,7 @@ def local_model(tiny_checkpoint):
 
 
 # the engine-level tests (test_ray_executor.py) cover pipeline 1-3 x expert-parallel 1, 2, 4
-@pytest.mark.parametrize("pipeline, expert_parallel, dispatch", [(2, 2, "router"), (1, 4, "direct")])
+@pytest.mark.parametrize("pipeline, expert_parallel, dispatch", [(2, 2, "router"), (1, 4, "direct"), (2, 2, "compiled")])
 def test_ray_pipeline_equals_local(ray_cluster, tiny_checkpoint, local_model, pipeline, expert_parallel, dispatch):
     parallel = ParallelConfig(pipeline, expert_parallel, moe_dispatch=dispatch, **ON_NODES)
     runner = RayModelRunner(tiny_checkpoint, parallel, SPEC)
@@ -66,14 +66,20 @@ def test_ray_pipeline_equals_local(ray_cluster, tiny_checkpoint, local_model, pi
         runner.shutdown()
 
 
-def test_dead_actor_fails_the_step_fast_then_recovers(ray_cluster, tiny_checkpoint, local_model):
-    runner = RayModelRunner(tiny_checkpoint, ParallelConfig(2, 2, call_timeout_s=60, **ON_NODES), SPEC)
+@pytest.mark.parametrize("dispatch, victim", [("router", "expert shard 4-7 of stage 1"),
+                                              ("compiled", "expert shard 4-7 of stage 1"), ("compiled", "stage 1")])
+def test_dead_actor_fails_the_step_fast_then_recovers(ray_cluster, tiny_checkpoint, local_model, dispatch, victim):
+    """An actor dies between a request's prefill and decode. With compiled dispatch a dead shard
+    breaks the stage's compiled graph (compiled again over the restarted shard), and a restarted
+    stage restarts its shards, which the dead stage's graph still holds."""
+    parallel = ParallelConfig(2, 2, call_timeout_s=60, moe_dispatch=dispatch, **ON_NODES)
+    runner = RayModelRunner(tiny_checkpoint, parallel, SPEC)
     try:
         ids = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(0))
         first, second = steps(ids, [9, 1])
         runner.step(first)
-        _, shard = next((n, h) for n, h in runner.actors() if n.startswith("expert shard 4-7 of stage 1"))
-        ray.kill(shard, no_restart=False)  # dies between the prefill and the decode of the request
+        _, actor = next((n, h) for n, h in runner.actors() if n.startswith(victim))
+        ray.kill(actor, no_restart=False)  # dies between the prefill and the decode of the request
         t0 = time.monotonic()
         with pytest.raises(StageFailure, match="died|failed"):
             runner.step(second)
