@@ -218,3 +218,40 @@ def test_disconnect_cancels_a_plain_request(server, http):
                    json={"model": MODEL, "prompt": "a", "max_tokens": LONG, "ignore_eos": True})
     m = wait_for_idle(http, before)
     assert m[ABORTED] == before + 1
+
+
+def test_a_dead_engine_process_fails_health_then_serve_replaces_the_replica(server, http):
+    """The replica's engine process dies: /health turns 503 naming it, Serve's health check
+    replaces the replica (with a new engine process), and requests succeed again. Last in the
+    module: it restarts the server."""
+    import psutil
+
+    def engine_processes() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            if "k3ray.engine.engine_core_proc" in " ".join(proc.info["cmdline"] or []):
+                parent = proc.parent()
+                if parent is not None and "ServeReplica" in " ".join(parent.cmdline()):
+                    found.append(proc)
+        return found
+
+    (victim,) = engine_processes()
+    victim.kill()
+    deadline = time.monotonic() + 30
+    while (resp := httpx.get(f"{server}/health", timeout=30)).status_code == 200:
+        assert time.monotonic() < deadline, "the dead engine process never showed in /health"
+        time.sleep(0.2)
+    if resp.status_code == 503 and resp.headers.get("content-type", "").startswith("application/json"):
+        assert "engine process" in error_of(resp, 503)["message"]
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            ok = httpx.get(f"{server}/health", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok and [p.pid for p in engine_processes()] not in ([], [victim.pid]):
+            break
+        assert time.monotonic() < deadline, "Serve did not replace the replica"
+        time.sleep(1)
+    out = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
