@@ -17,21 +17,30 @@ from k3ray.actors.wire import Bundle, pack, unpack
 ShardMap = list[tuple[int, int, "ray.actor.ActorHandle"]]  # (e0, e1, shard), covering [0, num_experts)
 
 
+def shard_rows(ids: torch.Tensor, e0: int, e1: int) -> torch.Tensor:
+    """ids [T, k] -> [T_s]: the rows with at least one expert in [e0, e1)."""
+    return ((ids >= e0) & (ids < e1)).any(-1).nonzero().squeeze(-1)
+
+
+def combine(shape: torch.Size, rows: list[torch.Tensor], parts: list[Bundle]) -> torch.Tensor:
+    """Sum the shards' partial outputs (one bundle per shard, rows[s] of y each) -> y [T, Dl] fp32."""
+    y = torch.zeros(shape, dtype=torch.float32)
+    for r, part in zip(rows, parts):
+        y.index_add_(0, r, unpack(part)[0])
+    return y
+
+
 def fan_out(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             timeout_s: float) -> torch.Tensor:
     """h [T, Dl], ids / weights [T, k] -> y [T, Dl] fp32: each shard gets (and computes) only the
     rows with an expert in its range; the calls run concurrently."""
-    pending = []
+    rows, refs = [], []
     for e0, e1, shard in shards:
-        rows = ((ids >= e0) & (ids < e1)).any(-1).nonzero().squeeze(-1)  # [T_s]
-        if rows.numel():
-            pending.append((rows, shard.compute.remote(layer_idx, pack(h[rows], ids[rows], weights[rows]))))
-    y = torch.zeros(h.shape, dtype=torch.float32)
-    if pending:
-        parts = ray.get([ref for _, ref in pending], timeout=timeout_s)
-        for (rows, _), part in zip(pending, parts):
-            y.index_add_(0, rows, unpack(part)[0])
-    return y
+        r = shard_rows(ids, e0, e1)  # [T_s]
+        if r.numel():
+            rows.append(r)
+            refs.append(shard.compute.remote(layer_idx, pack(h[r], ids[r], weights[r])))
+    return combine(h.shape, rows, ray.get(refs, timeout=timeout_s) if refs else [])
 
 
 class MoERouter:

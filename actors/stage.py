@@ -1,8 +1,9 @@
 """PipelineStage actor: contiguous layers [a, b) of the model with their caches; its MoE layers
 send the latent rows to the stage's Router actor, or straight to the router's expert shards by
-actor calls or through a Ray Compiled Graph (ParallelConfig.moe_dispatch, see k3ray.actors.router). The first stage embeds, the last returns
-logits; between stages the AttnRes state (partial sum + bank) travels as an object ref. Media
-embeddings (from the replica's VisionEncoder, via the engine) are spliced in by the first stage."""
+actor calls or through a Ray Compiled Graph (ParallelConfig.moe_dispatch, see k3ray.actors.router).
+The first stage embeds, the last returns logits; between stages the AttnRes state (partial sum +
+bank) travels as an object ref. Media embeddings (from the replica's VisionEncoder, via the engine)
+are spliced in by the first stage."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from k3ray.actors.protocol import CacheSpec, StageFailure, StepArgs
-from k3ray.actors.router import fan_out
+from k3ray.actors.router import combine, fan_out, shard_rows
 from k3ray.actors.wire import Bundle, pack, unpack
 
 
@@ -78,23 +79,21 @@ class CompiledDispatch(DirectDispatch):
     def fan_out(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.graph is None:
             self.graph = self._compile()
-        rows = [((ids >= e0) & (ids < e1)).any(-1).nonzero().squeeze(-1) for e0, e1, _ in self.shards]  # [T_s] each
+        rows = [shard_rows(ids, e0, e1) for e0, e1, _ in self.shards]  # [T_s] each, maybe empty
         try:
             parts = ray.get(self.graph.execute(layer_idx, *(pack(h[r], ids[r], weights[r]) for r in rows)),
                             timeout=self.timeout_s)
         except Exception as e:
             self.close()
             raise StageFailure(f"compiled MoE dispatch of layer {layer_idx} failed: {type(e).__name__}: {e}") from e
-        y = torch.zeros(h.shape, dtype=torch.float32)
-        for r, part in zip(rows, parts):
-            y.index_add_(0, r, unpack(part)[0])
-        return y
+        return combine(h.shape, rows, parts)
 
     def _compile(self):
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as inp:  # inp[0]: the layer, inp[1 + s]: shard s's rows
-            graph = MultiOutputNode([shard.compute.bind(inp[0], inp[1 + s]) for s, (_, _, shard) in enumerate(self.shards)])
+            graph = MultiOutputNode([shard.compute.bind(inp[0], inp[1 + s])
+                                     for s, (_, _, shard) in enumerate(self.shards)])
         return graph.experimental_compile()
 
     def close(self) -> None:
