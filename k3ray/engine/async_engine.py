@@ -12,9 +12,9 @@ queued and applied between steps (the engine itself is single-threaded).
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
+from contextlib import aclosing
 
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.llm_engine import LLMEngine
@@ -46,7 +46,8 @@ class AsyncEngine:
         self._streams[request_id] = queue
         self._pending.append(request)
         self._start()
-        async with aclosing(follow(queue, lambda: self.abort(request_id))) as outputs:  # closing this stream aborts the request now
+        # closing this generator closes follow() at once, which aborts the request
+        async with aclosing(follow(queue, lambda: self.abort(request_id))) as outputs:
             async for out in outputs:
                 yield out
 

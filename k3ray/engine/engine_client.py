@@ -17,7 +17,6 @@ are refused with the same error.
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 import queue
 import socket
 import subprocess
@@ -26,6 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
+from contextlib import aclosing
 from multiprocessing.connection import Connection
 
 from k3ray.engine.engine_core_proc import recv, send
@@ -94,7 +94,8 @@ class EngineClient:
         self._streams[request_id] = stream
         self._send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt), params,
                     list(media) if media else None, time.monotonic()))
-        async with aclosing(follow(stream, lambda: self.abort(request_id))) as outputs:  # closing this stream aborts the request now
+        # closing this generator closes follow() at once, which aborts the request
+        async with aclosing(follow(stream, lambda: self.abort(request_id))) as outputs:
             async for out in outputs:
                 yield out
 
@@ -151,7 +152,11 @@ class EngineClient:
             try:
                 message = recv(self._conn)
             except (EOFError, OSError):
-                self._dispatch(self._on_exit)
+                try:  # here, not on the event loop: the process may take a moment to be reaped
+                    code = self.process.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    code = None
+                self._dispatch(self._on_exit, code)
                 return
             self._dispatch(self._on_message, message)
 
@@ -183,13 +188,9 @@ class EngineClient:
                 if out.finished:
                     self._streams.pop(out.request_id, None)
 
-    def _on_exit(self) -> None:
+    def _on_exit(self, code: int | None) -> None:
         """The socket closed under us: the engine process is gone (or close() stopped it)."""
         if self._error is None:
-            try:
-                code = self.process.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                code = None
             self._error = RuntimeError(f"the engine process (pid {self.process.pid}) exited with code {code}")
         self._fail_all(self._error)
 
