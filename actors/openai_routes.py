@@ -7,9 +7,10 @@ It is a plain ASGI app (Serve's ingress wraps it; tests can also drive it in-pro
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3ray.actors.openai_chat import create_chat_completion
@@ -40,12 +41,12 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
         return serving.model_card()
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
-        return _respond(await create_completion(serving, req))
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await _unless_disconnected(request, create_completion(serving, req))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
-        return _respond(await create_chat_completion(serving, req))
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await _unless_disconnected(request, create_chat_completion(serving, req))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
@@ -101,6 +102,32 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
         return Response(text, media_type=content_type)
 
     return app
+
+
+CLIENT_CLOSED = 499  # nginx's status for a client that left before the reply; nobody receives it
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict | AsyncIterator[str]]) -> Response:
+    """The response of `work`, which is cancelled (its engine requests aborted) if the client
+    disconnects first. A stream notices a disconnect by itself and Serve's proxy cancels the
+    handler, but a replica's own HTTP server (haproxy ingress) leaves a plain request running."""
+    work = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled() or not work.done():
+        await asyncio.gather(work, return_exceptions=True)  # let its cleanup (the abort) run
+        return Response(status_code=CLIENT_CLOSED)
+    return _respond(work.result())
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _respond(result: dict | AsyncIterator[str]) -> Response:
