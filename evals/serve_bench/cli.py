@@ -60,6 +60,8 @@ def _rate(rate: float) -> float | str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="server URL (default: start k3ray's Serve app on 127.0.0.1)")
+    parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
+                        help="without --endpoint: HAProxy + each replica's own HTTP server, or Serve's proxy actor")
     parser.add_argument("--model", help="served model name (default: the first of /v1/models)")
     parser.add_argument("--checkpoint", help="checkpoint served locally and run in process (default: tiny K3); "
                         "with --endpoint, the in-process side of served_vs_engine_tok_s")
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return _bench(args, args.endpoint.rstrip("/"), levels, counts, percentiles, slos, serve_args)
         from k3ray.evals.serve_bench.server import local_serve_app
 
-        with local_serve_app(serve_args) as url:
+        with local_serve_app(serve_args, ingress=args.ingress) as url:
             return _bench(args, url, levels, counts, percentiles, slos, serve_args)
     finally:
         torch.set_num_threads(threads)  # build_engine set the replica's thread count in this process
@@ -191,6 +193,7 @@ def _bench(args, url, levels, counts, percentiles, slos, serve_args) -> dict[str
     level, served, results = last
     result = {
         "served_vs_engine_tok_s": rows[-1]["served_vs_engine_tok_s"],
+        "ingress": None if args.endpoint is not None else args.ingress,
         "levels": rows,
         "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai", "endpoint_type": "openai", "base_url": url, "model_id": model,

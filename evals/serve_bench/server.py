@@ -31,9 +31,9 @@ def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
 
 
 @contextlib.contextmanager
-def local_serve_app(serve_args: dict, port: int | None = None) -> Iterator[str]:
-    """Start a private Ray instance and Serve on loopback, deploy the app, yield its URL; then stop
-    Serve and Ray again."""
+def local_serve_app(serve_args: dict, port: int | None = None, ingress: str = "haproxy") -> Iterator[str]:
+    """Start a private Ray instance and Serve (with `ingress` in front) on loopback, deploy the app,
+    yield its URL; then stop Serve and Ray again."""
     import ray
 
     from k3ray.actors import serve_launch
@@ -41,7 +41,7 @@ def local_serve_app(serve_args: dict, port: int | None = None) -> Iterator[str]:
     if ray.is_initialized():
         raise ValueError("this process is already connected to Ray: benchmark its server with --endpoint URL, "
                          "or run `k3ray bench serve` in a fresh process to start a private one")
-    started = serve_launch.start_ray(num_cpus=max(4, os.cpu_count() or 1), log_to_driver=False)
+    started = serve_launch.start_ray(ingress=ingress, num_cpus=max(4, os.cpu_count() or 1), log_to_driver=False)
     try:
         url = serve_launch.deploy(serve_args, host="127.0.0.1", port=port or free_port(), proxy_location="HeadOnly")
         wait_healthy(url)

@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    g.add_argument("--ingress", choices=["haproxy", "proxy"], default=None,
+                   help="HTTP in front of the replicas of a local Ray instance: HAProxy, each replica streaming "
+                   "from its own HTTP server (default), or Serve's proxy actor; a joined cluster keeps its own "
+                   "(RAY_SERVE_ENABLE_HA_PROXY on its nodes)")
     g.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray instance (default: all)")
     g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $K3RAY_API_KEY)")
     g.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 64 MiB)")
@@ -103,8 +107,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(str(e)) from None
     from k3ray.actors import serve_launch
 
+    if args.address is not None and args.ingress is not None:
+        raise ValueError("--ingress applies to the local Ray instance k3ray serve starts; a cluster joined with "
+                         "--address keeps the ingress its nodes started with (RAY_SERVE_ENABLE_HA_PROXY)")
     init = {} if args.num_cpus is None else {"num_cpus": args.num_cpus}
-    owns_ray = serve_launch.start_ray(args.address, **init)
+    owns_ray = serve_launch.start_ray(args.address, args.ingress or serve_launch.DEFAULT_INGRESS, **init)
     # Ctrl-C / SIGTERM only set a flag: one that lands while Serve is deploying must not be lost
     # inside Ray's own waits (it was, under load), and the loop below then shuts down cleanly
     stop = threading.Event()

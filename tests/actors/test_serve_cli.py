@@ -65,6 +65,8 @@ def test_flags_become_deployment_options(tiny_checkpoint):
 
 
 def test_bad_flags_fail_before_starting_anything():
+    with pytest.raises(ValueError, match="--ingress applies to the local Ray"):
+        serve_cmd.main(parse(["--address", "127.0.0.1:1", "--ingress", "proxy"]))
     with pytest.raises(ValueError, match="min_replicas"):
         serve_cmd.main(parse(["--min-replicas", "3", "--max-replicas", "1"]))
     with pytest.raises(ValueError, match="pipeline"):
@@ -94,14 +96,14 @@ def test_serve_config_yaml_deploys_the_same_app(tiny_checkpoint):
 
 
 @contextlib.contextmanager
-def serve_command(checkpoint: str, tmp_path):
+def serve_command(checkpoint: str, tmp_path, *flags: str):
     """`k3ray serve` as a child process on a free loopback port: yields (process, url, log path,
     Ray's processes under it, filled in by the test); whatever still runs afterwards is killed."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "k3ray.commands.serve", "--model", checkpoint, "--port", str(port),
-           "--max-model-len", "128", "--cache-memory-mb", "16", "--num-cpus", "4"]
+           "--max-model-len", "128", "--cache-memory-mb", "16", "--num-cpus", "4", *flags]
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
@@ -125,8 +127,17 @@ def ctrl_c_stops_everything(proc, log_path, tree: list[psutil.Process]) -> None:
     assert not alive, [p.info for p in alive if p.is_running()]
 
 
-def test_k3ray_serve_runs_until_ctrl_c_and_leaves_nothing(tiny_checkpoint, tmp_path):
-    with serve_command(tiny_checkpoint, tmp_path) as (proc, url, log_path, tree):
+def haproxy_listeners(root: psutil.Process) -> list[str]:
+    """host:port of every listening socket of the HAProxy processes under `root`."""
+    found = [p for p in root.children(recursive=True) if p.name() == "haproxy"]
+    assert found, "no HAProxy process under k3ray serve"
+    return [f"{c.laddr.ip}:{c.laddr.port}" for p in found for c in p.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN]
+
+
+@pytest.mark.parametrize("ingress", ["haproxy", "proxy"])
+def test_k3ray_serve_runs_until_ctrl_c_and_leaves_nothing(tiny_checkpoint, tmp_path, ingress):
+    with serve_command(tiny_checkpoint, tmp_path, "--ingress", ingress) as (proc, url, log_path, tree):
         deadline = time.monotonic() + 300
         while True:
             assert proc.poll() is None, log_path.read_text()[-3000:]
@@ -139,6 +150,10 @@ def test_k3ray_serve_runs_until_ctrl_c_and_leaves_nothing(tiny_checkpoint, tmp_p
             time.sleep(1)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        if ingress == "haproxy":  # the API port and HAProxy's stats / Prometheus ports, all on loopback
+            listeners = haproxy_listeners(psutil.Process(proc.pid))
+            assert url.removeprefix("http://") in listeners and len(listeners) >= 3, listeners
+            assert all(address.startswith("127.0.0.1:") for address in listeners), listeners
         ctrl_c_stops_everything(proc, log_path, tree)
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/v1/models", timeout=5)
