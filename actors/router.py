@@ -1,5 +1,6 @@
-"""MoE dispatch over expert-shard actors: one batched call per shard per layer, carrying only the
-rows routed to that shard, partial outputs summed.
+"""MoE dispatch over expert-shard actors: one batched call per shard per layer, carrying the rows
+routed to that shard (a small step's rows go whole to every shard they touch), partial outputs
+summed.
 
 The MoERouter actor (one per stage) owns a stage's shard map and per-expert load counters. With
 ParallelConfig.moe_dispatch = "router" every MoE layer's rows go stage -> router -> shards ->
@@ -30,16 +31,34 @@ def combine(shape: torch.Size, rows: list[torch.Tensor], parts: list[Bundle]) ->
     return y
 
 
+# rows up to this size go whole to each shard: one pack and a plain sum instead of a row selection,
+# a pack and an index_add per shard (-0.3 ms per decode dispatch here); above it each shard gets
+# only its rows, so traffic does not grow with the shard count
+BROADCAST_BYTES = 64 << 10
+
+
 def fan_out(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             timeout_s: float) -> torch.Tensor:
-    """h [T, Dl], ids / weights [T, k] -> y [T, Dl] fp32: each shard gets (and computes) only the
-    rows with an expert in its range; the calls run concurrently."""
-    rows, refs = [], []
+    """h [T, Dl], ids / weights [T, k] -> y [T, Dl] fp32: every shard with an expert of some row
+    computes those rows' experts in its range (other ids add 0); the calls run concurrently."""
+    if h.numel() * h.element_size() <= BROADCAST_BYTES:
+        targets = [shard for e0, e1, shard in shards if ((ids >= e0) & (ids < e1)).any()]
+        bundle = pack(h, ids, weights)
+        parts = ray.get([shard.compute.remote(layer_idx, bundle) for shard in targets], timeout=timeout_s)
+        y = torch.zeros(h.shape, dtype=torch.float32)
+        for part in parts:
+            y += unpack(part)[0]
+        return y
+    rows, bundles, targets = [], [], []
     for e0, e1, shard in shards:
         r = shard_rows(ids, e0, e1)  # [T_s]
         if r.numel():
             rows.append(r)
-            refs.append(shard.compute.remote(layer_idx, pack(h[r], ids[r], weights[r])))
+            bundles.append(pack(h[r], ids[r], weights[r]))
+            targets.append(shard)
+    # every bundle is packed before the first call goes out: packing between submissions competed
+    # with Ray's sending threads and the first shard for the 2 cores
+    refs = [shard.compute.remote(layer_idx, bundle) for shard, bundle in zip(targets, bundles)]
     return combine(h.shape, rows, ray.get(refs, timeout=timeout_s) if refs else [])
 
 
