@@ -70,7 +70,8 @@ def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init
         return False
     if address is None:
         os.environ.update(ingress_environment(ingress))  # Ray's processes inherit it from here
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # node address 127.0.0.1: every connection on loopback
+        # node address 127.0.0.1: every connection stays on loopback
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         ray.init(address="local", **{"include_dashboard": False, **init_kwargs})
     else:
         ray.init(address=address, **init_kwargs)
