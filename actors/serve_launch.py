@@ -38,11 +38,12 @@ def ingress_environment(ingress: str) -> dict[str, str]:
     # HAProxy's stats and Prometheus ports are fixed (8404, 9101) unless set: a second server on
     # the machine would fail to start, so unset ones get free ports
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
-        env[name] = os.environ.get(name) or str(_free_port())
+        env[name] = os.environ.get(name) or str(free_port())
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on now, on loopback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

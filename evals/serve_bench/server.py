@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from collections.abc import Iterator
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
@@ -43,7 +36,8 @@ def local_serve_app(serve_args: dict, port: int | None = None, ingress: str = "h
                          "or run `k3ray bench serve` in a fresh process to start a private one")
     started = serve_launch.start_ray(ingress=ingress, num_cpus=max(4, os.cpu_count() or 1), log_to_driver=False)
     try:
-        url = serve_launch.deploy(serve_args, host="127.0.0.1", port=port or free_port(), proxy_location="HeadOnly")
+        url = serve_launch.deploy(serve_args, host="127.0.0.1", port=port or serve_launch.free_port(),
+                                  proxy_location="HeadOnly")
         wait_healthy(url)
         yield url
     finally:
