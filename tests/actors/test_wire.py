@@ -1,5 +1,5 @@
 """Tensors cross actor calls as one wire bundle (k3ray.actors.wire): bit-exact for every dtype
-the model uses, plain tuples and bytes for small payloads, numpy for large ones."""
+the model uses, one bytes object for small payloads, (header, numpy) for large ones."""
 
 import pickle
 
@@ -23,7 +23,7 @@ def test_bundle_round_trip_is_bit_exact(large, monkeypatch):
     tensors = [(torch.randn(5, 3, generator=gen) * 100).to(d) for d in DTYPES]  # odd byte sizes: alignment
     tensors += [None, torch.zeros(0, 4), torch.tensor(7)]
     bundle = pack(*tensors)
-    assert isinstance(bundle[1], np.ndarray if large else bytes)
+    assert isinstance(bundle[1], np.ndarray) if large else isinstance(bundle, bytes)
     back = unpack(pickle.loads(pickle.dumps(bundle)))
     assert len(back) == len(tensors)
     for t, b in zip(tensors, back):
@@ -35,9 +35,12 @@ def test_bundle_round_trip_is_bit_exact(large, monkeypatch):
     assert torch.equal(unpack(bundle)[0], tensors[0]) and torch.equal(back[1], tensors[1])
 
 
-def test_small_bundles_are_plain_tuples_and_bytes():
-    header, payload = pack(torch.ones(2, 2), None)
-    assert header == (("float32", (2, 2), 0), None) and payload == torch.ones(4).numpy().tobytes()
+def test_small_bundles_are_one_bytes_object():
+    bundle = pack(torch.ones(2, 2), None)
+    size = int.from_bytes(bundle[:4], "little")
+    assert pickle.loads(bundle[4 : 4 + size]) == (("float32", (2, 2), 0), None)
+    base = -(-(4 + size) // wire.ALIGN) * wire.ALIGN
+    assert bundle[base:] == torch.ones(4).numpy().tobytes()
 
 
 def test_step_args_pickle_as_one_bundle():
