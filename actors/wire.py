@@ -46,18 +46,24 @@ def pack(*tensors: torch.Tensor | None) -> Bundle:
         header.append((name, tuple(t.shape), offset))
         offset += _aligned(t.numel() * t.element_size())
     header = tuple(header)
-    small = offset <= SMALL_PAYLOAD_BYTES
-    head = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL) if small else b""
-    base = _aligned(_PREFIX + len(head)) if small else 0
-    buf = torch.empty(base + offset, dtype=torch.uint8)
-    if small:
-        buf[:_PREFIX] = torch.frombuffer(bytearray(len(head).to_bytes(_PREFIX, "little")), dtype=torch.uint8)
-        buf[_PREFIX : _PREFIX + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    if offset > SMALL_PAYLOAD_BYTES:
+        buf = torch.empty(offset, dtype=torch.uint8)
+        _copy_in(buf, 0, tensors, header)
+        return header, buf.numpy()
+    head = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+    base = _aligned(_PREFIX + len(head))
+    out = bytearray(base + offset)
+    out[:_PREFIX] = len(head).to_bytes(_PREFIX, "little")
+    out[_PREFIX : _PREFIX + len(head)] = head
+    _copy_in(torch.frombuffer(out, dtype=torch.uint8), base, tensors, header)
+    return bytes(out)
+
+
+def _copy_in(buf: torch.Tensor, base: int, tensors, header) -> None:
     for t, entry in zip(tensors, header):
         if entry is not None and t.numel():
             start = base + entry[2]
             buf[start : start + t.numel() * t.element_size()].view(t.dtype).copy_(t.detach().reshape(-1))
-    return buf.numpy().tobytes() if small else (header, buf.numpy())
 
 
 def unpack(bundle: Bundle) -> list[torch.Tensor | None]:
