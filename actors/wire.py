@@ -9,10 +9,13 @@ prefill activations are not copied into bytes. Every dtype is bit-exact (bf16 in
 
     bundle = pack(hidden, bank)           # None allowed: it comes back as None
     hidden, bank = unpack(bundle)
+    bundle = pack(h, ids, weights, tag=layer_idx)   # a small int in the header: one argument per call
+    layer_idx, (h, ids, weights) = unpack_tagged(bundle)
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import numpy as np
@@ -26,7 +29,8 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
 )}
 
 # small: bytes (length of the pickled header, the header, padding, the tensors);
-# large: (header, payload array); header has one (dtype name, shape, byte offset) or None per tensor
+# large: (header, payload array); header = (tag, entries), one (dtype name, shape, byte offset) or
+# None per tensor
 Bundle = bytes | tuple[tuple, np.ndarray]
 _PREFIX = 4  # little-endian length of the pickled header
 
@@ -35,32 +39,33 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def pack(*tensors: torch.Tensor | None) -> Bundle:
-    header, offset = [], 0
+def pack(*tensors: torch.Tensor | None, tag: int | None = None) -> Bundle:
+    entries, offset = [], 0
     for t in tensors:
         if t is None:
-            header.append(None)
+            entries.append(None)
             continue
         name = str(t.dtype).removeprefix("torch.")
         assert name in DTYPES, f"no wire format for {t.dtype}"
-        header.append((name, tuple(t.shape), offset))
+        entries.append((name, tuple(t.shape), offset))
         offset += _aligned(t.numel() * t.element_size())
-    header = tuple(header)
+    entries = tuple(entries)
+    header = (tag, entries)
     if offset > SMALL_PAYLOAD_BYTES:
         buf = torch.empty(offset, dtype=torch.uint8)
-        _copy_in(buf, 0, tensors, header)
+        _copy_in(buf, 0, tensors, entries)
         return header, buf.numpy()
     head = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
     base = _aligned(_PREFIX + len(head))
     out = bytearray(base + offset)
     out[:_PREFIX] = len(head).to_bytes(_PREFIX, "little")
     out[_PREFIX : _PREFIX + len(head)] = head
-    _copy_in(torch.frombuffer(out, dtype=torch.uint8), base, tensors, header)
+    _copy_in(torch.frombuffer(out, dtype=torch.uint8), base, tensors, entries)
     return bytes(out)
 
 
-def _copy_in(buf: torch.Tensor, base: int, tensors, header) -> None:
-    for t, entry in zip(tensors, header):
+def _copy_in(buf: torch.Tensor, base: int, tensors, entries) -> None:
+    for t, entry in zip(tensors, entries):
         if entry is not None and t.numel():
             start = base + entry[2]
             buf[start : start + t.numel() * t.element_size()].view(t.dtype).copy_(t.detach().reshape(-1))
@@ -68,6 +73,11 @@ def _copy_in(buf: torch.Tensor, base: int, tensors, header) -> None:
 
 def unpack(bundle: Bundle) -> list[torch.Tensor | None]:
     """Writable tensors that share nothing with the sender (Ray hands out read-only buffers)."""
+    return unpack_tagged(bundle)[1]
+
+
+def unpack_tagged(bundle: Bundle) -> tuple[int | None, list[torch.Tensor | None]]:
+    """(the tag given to pack, the tensors as unpack returns them)."""
     if isinstance(bundle, tuple):
         header, payload = bundle
         base = 0
@@ -77,13 +87,14 @@ def unpack(bundle: Bundle) -> list[torch.Tensor | None]:
         header = pickle.loads(payload[_PREFIX : _PREFIX + size])
         base = _aligned(_PREFIX + size)
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    tag, entries = header
     out: list[torch.Tensor | None] = []
-    for entry in header:
+    for entry in entries:
         if entry is None:
             out.append(None)
             continue
         name, shape, start = entry
         dtype = DTYPES[name]
-        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        n = math.prod(shape) * dtype.itemsize  # np.prod cost ~10 us a tensor, in a 0.1 ms call
         out.append(buf[base + start : base + start + n].view(dtype).view(shape))
-    return out
+    return tag, out

@@ -9,7 +9,7 @@ import torch
 
 from k3ray.actors import wire
 from k3ray.actors.protocol import StepArgs
-from k3ray.actors.wire import pack, unpack
+from k3ray.actors.wire import pack, unpack, unpack_tagged
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]
@@ -35,10 +35,20 @@ def test_bundle_round_trip_is_bit_exact(large, monkeypatch):
     assert torch.equal(unpack(bundle)[0], tensors[0]) and torch.equal(back[1], tensors[1])
 
 
+@pytest.mark.parametrize("large", [False, True])
+def test_a_tag_travels_in_the_header(large, monkeypatch):
+    if large:
+        monkeypatch.setattr(wire, "SMALL_PAYLOAD_BYTES", 0)
+    tensors = (torch.randn(3, 4), torch.arange(6).view(3, 2))
+    tag, back = unpack_tagged(pickle.loads(pickle.dumps(pack(*tensors, tag=7))))
+    assert tag == 7 and all(torch.equal(a, b) for a, b in zip(tensors, back))
+    assert unpack_tagged(pack(*tensors))[0] is None
+
+
 def test_small_bundles_are_one_bytes_object():
     bundle = pack(torch.ones(2, 2), None)
     size = int.from_bytes(bundle[:4], "little")
-    assert pickle.loads(bundle[4 : 4 + size]) == (("float32", (2, 2), 0), None)
+    assert pickle.loads(bundle[4 : 4 + size]) == (None, (("float32", (2, 2), 0), None))
     base = -(-(4 + size) // wire.ALIGN) * wire.ALIGN
     assert bundle[base:] == torch.ones(4).numpy().tobytes()
 
