@@ -128,13 +128,13 @@ def run(args: argparse.Namespace) -> dict:
         x = torch.randn(B, D)
         weights, ids = moe.gate(x)
         h = moe.routed_expert_down_proj(x).detach()
-        rows = pack(h, ids, weights)
+        rows = pack(h, ids, weights, tag=layer)
         total_ms = {
-            "router": _median_ms(lambda: unpack(ray.get(router.dispatch.remote(layer, rows))), 20 * args.repeats),
+            "router": _median_ms(lambda: unpack(ray.get(router.dispatch.remote(rows))), 20 * args.repeats),
             "direct": _median_ms(lambda: fan_out(group.shards, layer, h, ids, weights, 60.0), 20 * args.repeats),
         }
         if args.moe_dispatch == "compiled":  # timed inside the stage that drives the compiled graph
-            total_ms["compiled"] = ray.get(group.stage.dispatch_ms.remote(layer, rows, 20 * args.repeats))
+            total_ms["compiled"] = ray.get(group.stage.dispatch_ms.remote(rows, 20 * args.repeats))
         with torch.no_grad():
             expert_ms = _median_ms(lambda: moe.experts(h, ids, weights), 20 * args.repeats)
         added_ms = {mode: ms - expert_ms for mode, ms in total_ms.items()}

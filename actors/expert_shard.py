@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3ray.actors.wire import Bundle, pack, unpack
+from k3ray.actors.wire import Bundle, pack, unpack_tagged
 from k3ray.config import ModelConfig
 
 
@@ -48,10 +48,11 @@ class ExpertShard:
         self.layer_range, self.expert_range = layer_range, expert_range
 
     @torch.no_grad()
-    def compute(self, layer_idx: int, rows: Bundle) -> Bundle:
-        """rows = (h [T, Dl], ids [T, k], weights [T, k]) routed here -> (partial y [T, Dl] fp32,)
-        from experts [e0, e1)."""
-        return pack(self.container.experts(layer_idx)(*unpack(rows)))
+    def compute(self, rows: Bundle) -> Bundle:
+        """rows = (h [T, Dl], ids [T, k], weights [T, k]) routed here, tagged with the layer (one
+        argument: Ray passes that cheapest) -> (partial y [T, Dl] fp32,) from experts [e0, e1)."""
+        layer_idx, tensors = unpack_tagged(rows)
+        return pack(self.container.experts(layer_idx)(*tensors))
 
     def ready(self) -> dict:
         import ray

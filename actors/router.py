@@ -13,7 +13,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from k3ray.actors.wire import Bundle, pack, unpack
+from k3ray.actors.wire import Bundle, pack, unpack, unpack_tagged
 
 ShardMap = list[tuple[int, int, "ray.actor.ActorHandle"]]  # (e0, e1, shard), covering [0, num_experts)
 
@@ -28,14 +28,6 @@ def shard_rows(ids: torch.Tensor, e0: int, e1: int) -> torch.Tensor:
     return routed_to(ids, e0, e1).any(-1).nonzero().squeeze(-1)
 
 
-def combine(shape: torch.Size, rows: list[torch.Tensor], parts: list[Bundle]) -> torch.Tensor:
-    """Sum the shards' partial outputs (one bundle per shard, rows[s] of y each) -> y [T, Dl] fp32."""
-    y = torch.zeros(shape, dtype=torch.float32)
-    for r, part in zip(rows, parts):
-        y.index_add_(0, r, unpack(part)[0])
-    return y
-
-
 # rows up to this size go whole to each shard: one pack and a plain sum instead of a row selection,
 # a pack and an index_add per shard (with packing before sending: -0.35 to -0.4 ms per decode
 # dispatch here, interleaved A/B); above it each shard gets only its rows, so traffic does not grow
@@ -43,28 +35,51 @@ def combine(shape: torch.Size, rows: list[torch.Tensor], parts: list[Bundle]) ->
 BROADCAST_BYTES = 64 << 10
 
 
+def split(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+          every_shard: bool = False) -> tuple[list, list[Bundle], list[torch.Tensor] | None]:
+    """The calls of one layer's dispatch: (target shards, one bundle each tagged with the layer,
+    rows [T_s] per target or None when each target gets the whole step). A shard none of the rows
+    is routed to is left out unless every_shard (a compiled graph runs all its nodes)."""
+    if h.numel() * h.element_size() <= BROADCAST_BYTES:
+        bundle = pack(h, ids, weights, tag=layer_idx)
+        if every_shard:
+            targets = [shard for _, _, shard in shards]
+        else:  # a decode step's few ids: a Python set is cheaper here than a mask per shard
+            present = set(ids.flatten().tolist())
+            targets = [shard for e0, e1, shard in shards if any(e0 <= e < e1 for e in present)]
+        return targets, [bundle] * len(targets), None
+    rows, bundles, targets = [], [], []
+    for e0, e1, shard in shards:
+        r = shard_rows(ids, e0, e1)  # [T_s]
+        if r.numel() or every_shard:
+            rows.append(r)
+            bundles.append(pack(h[r], ids[r], weights[r], tag=layer_idx))
+            targets.append(shard)
+    return targets, bundles, rows
+
+
+def combine(shape: torch.Size, rows: list[torch.Tensor] | None, parts: list[Bundle]) -> torch.Tensor:
+    """Sum the shards' partial outputs (one bundle per target of split, rows[s] of y each or the
+    whole step) -> y [T, Dl] fp32."""
+    if rows is None and parts:
+        y = unpack(parts[0])[0]
+        for part in parts[1:]:
+            y += unpack(part)[0]
+        return y
+    y = torch.zeros(shape, dtype=torch.float32)
+    for r, part in zip(rows or [], parts):
+        y.index_add_(0, r, unpack(part)[0])
+    return y
+
+
 def fan_out(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             timeout_s: float) -> torch.Tensor:
     """h [T, Dl], ids / weights [T, k] -> y [T, Dl] fp32: every shard with an expert of some row
     computes those rows' experts in its range (other ids add 0); the calls run concurrently."""
-    if h.numel() * h.element_size() <= BROADCAST_BYTES:
-        targets = [shard for e0, e1, shard in shards if routed_to(ids, e0, e1).any()]
-        bundle = pack(h, ids, weights)
-        parts = ray.get([shard.compute.remote(layer_idx, bundle) for shard in targets], timeout=timeout_s)
-        y = torch.zeros(h.shape, dtype=torch.float32)
-        for part in parts:
-            y += unpack(part)[0]
-        return y
-    rows, bundles, targets = [], [], []
-    for e0, e1, shard in shards:
-        r = shard_rows(ids, e0, e1)  # [T_s]
-        if r.numel():
-            rows.append(r)
-            bundles.append(pack(h[r], ids[r], weights[r]))
-            targets.append(shard)
     # every bundle is packed before the first call goes out: packing between submissions competed
     # with Ray's sending threads and the first shard for the 2 cores
-    refs = [shard.compute.remote(layer_idx, bundle) for shard, bundle in zip(targets, bundles)]
+    targets, bundles, rows = split(shards, layer_idx, h, ids, weights)
+    refs = [shard.compute.remote(bundle) for shard, bundle in zip(targets, bundles)]
     return combine(h.shape, rows, ray.get(refs, timeout=timeout_s) if refs else [])
 
 
@@ -77,9 +92,10 @@ class MoERouter:
         self.calls = 0
 
     @torch.no_grad()
-    def dispatch(self, layer_idx: int, rows: Bundle) -> Bundle:
-        """rows = (h [T, Dl], ids [T, k], weights [T, k]) -> (y [T, Dl] fp32,), summed over the shards."""
-        h, ids, weights = unpack(rows)
+    def dispatch(self, rows: Bundle) -> Bundle:
+        """rows = (h [T, Dl], ids [T, k], weights [T, k]) tagged with the layer -> (y [T, Dl] fp32,),
+        summed over the shards."""
+        layer_idx, (h, ids, weights) = unpack_tagged(rows)
         y = fan_out(self.shards, layer_idx, h, ids, weights, self.timeout)
         self.load += torch.bincount(ids.flatten(), minlength=self.load.numel())
         self.calls += 1

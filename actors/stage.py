@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from k3ray.actors.protocol import CacheSpec, StageFailure, StepArgs
-from k3ray.actors.router import combine, fan_out, shard_rows
-from k3ray.actors.wire import Bundle, pack, unpack
+from k3ray.actors.router import combine, fan_out, split
+from k3ray.actors.wire import Bundle, pack, unpack, unpack_tagged
 
 
 class DirectDispatch:
@@ -79,10 +79,9 @@ class CompiledDispatch(DirectDispatch):
     def fan_out(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.graph is None:
             self.graph = self._compile()
-        rows = [shard_rows(ids, e0, e1) for e0, e1, _ in self.shards]  # [T_s] each, maybe empty
+        _, bundles, rows = split(self.shards, layer_idx, h, ids, weights, every_shard=True)
         try:
-            parts = ray.get(self.graph.execute(layer_idx, *(pack(h[r], ids[r], weights[r]) for r in rows)),
-                            timeout=self.timeout_s)
+            parts = ray.get(self.graph.execute(*bundles), timeout=self.timeout_s)
         except Exception as e:
             self.close()
             raise StageFailure(f"compiled MoE dispatch of layer {layer_idx} failed: {type(e).__name__}: {e}") from e
@@ -91,9 +90,8 @@ class CompiledDispatch(DirectDispatch):
     def _compile(self):
         from ray.dag import InputNode, MultiOutputNode
 
-        with InputNode() as inp:  # inp[0]: the layer, inp[1 + s]: shard s's rows
-            graph = MultiOutputNode([shard.compute.bind(inp[0], inp[1 + s])
-                                     for s, (_, _, shard) in enumerate(self.shards)])
+        with InputNode() as inp:  # inp[s]: shard s's rows, tagged with the layer
+            graph = MultiOutputNode([shard.compute.bind(inp[s]) for s, (_, _, shard) in enumerate(self.shards)])
         return graph.experimental_compile()
 
     def close(self) -> None:
@@ -117,7 +115,7 @@ class RemoteExperts(nn.Module):
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.direct is not None:
             return self.direct(self.layer_idx, h, ids, weights)
-        ref = self.router.dispatch.remote(self.layer_idx, pack(h, ids, weights))
+        ref = self.router.dispatch.remote(pack(h, ids, weights, tag=self.layer_idx))
         return unpack(ray.get(ref, timeout=self.timeout_s))[0]
 
 
@@ -190,14 +188,15 @@ class PipelineStage:
                 ray.get(ref, timeout=self.direct.timeout_s)
 
     @torch.no_grad()
-    def dispatch_ms(self, layer_idx: int, rows: Bundle, repeats: int) -> float:
-        """Median wall time of this stage's direct or compiled dispatch of one layer's rows, ms
-        (k3ray bench cluster; a compiled graph can only be driven by the process that compiled it)."""
+    def dispatch_ms(self, rows: Bundle, repeats: int) -> float:
+        """Median wall time of this stage's direct or compiled dispatch of one layer's rows (tagged
+        with the layer), ms (k3ray bench cluster; a compiled graph can only be driven by the process
+        that compiled it)."""
         import statistics
         import time
 
         assert self.direct is not None, "only a stage with direct or compiled dispatch"
-        h, ids, weights = unpack(rows)
+        layer_idx, (h, ids, weights) = unpack_tagged(rows)
         self.direct.fan_out(layer_idx, h, ids, weights)  # compiles the graph, warms both paths
         times = []
         for _ in range(repeats):
