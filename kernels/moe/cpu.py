@@ -35,7 +35,6 @@ def moe_experts_cpu(
     held = ((local >= 0) & (local < E)).nonzero().squeeze(1)
     order = torch.argsort(local[held], stable=True)
     pairs = held[order]  # pair indices grouped by expert, token order inside a group
-    counts = torch.bincount(local[pairs], minlength=E).tolist()
     tok = pairs // top_k
     x = h[tok]  # [P, Dl]
     dense = not isinstance(w1, tuple) and not isinstance(w2, tuple) and not isinstance(w3, tuple)
@@ -43,6 +42,7 @@ def moe_experts_cpu(
         out = _gathered(x, local[pairs], w1, w3, w2, beta, linear_beta)
         out *= weights.reshape(-1)[pairs, None].float()
         return torch.zeros(T, h.shape[1], dtype=torch.float32).index_add_(0, tok, out)
+    counts = torch.bincount(local[pairs], minlength=E).tolist()
     out = torch.empty(pairs.numel(), h.shape[1], dtype=torch.float32)
     start = 0
     for e, n in enumerate(counts):
