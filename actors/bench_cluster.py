@@ -59,6 +59,27 @@ def _median_ms(fn, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def _times_ms(fn, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t0))
+    return times
+
+
+def _interleaved_medians(timed: dict, rounds: int, per_round: int) -> dict[str, float]:
+    """{name: fn(n) -> n times in ms} -> the median of each, the names taking turns (this machine's
+    speed drifts over seconds, and each difference the benchmark reports should see the same)."""
+    samples = {name: [] for name in timed}
+    for fn in timed.values():
+        fn(per_round)  # warm-up
+    for _ in range(rounds):
+        for name, fn in timed.items():
+            samples[name] += fn(per_round)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -103,6 +124,7 @@ def run(args: argparse.Namespace) -> dict:
             local_ms.append(_median_ms(lambda: loop(local_step), 1))
             ray_ms.append(_median_ms(lambda: loop(runner.step), 1))
             single_ms.append(_median_ms(lambda: loop(single.step), 1))
+        single.shutdown()  # idle actors still take a little of the 2 cores from the timings below
         tokens = B * args.steps
         local_tok_s = tokens / (statistics.median(local_ms) / 1000)
         ray_tok_s = tokens / (statistics.median(ray_ms) / 1000)
@@ -129,19 +151,20 @@ def run(args: argparse.Namespace) -> dict:
         weights, ids = moe.gate(x)
         h = moe.routed_expert_down_proj(x).detach()
         rows = pack(h, ids, weights, tag=layer)
-        total_ms = {
-            "router": _median_ms(lambda: unpack(ray.get(router.dispatch.remote(rows))), 20 * args.repeats),
-            "direct": _median_ms(lambda: fan_out(group.shards, layer, h, ids, weights, 60.0), 20 * args.repeats),
+        timed = {
+            "router": lambda n: _times_ms(lambda: unpack(ray.get(router.dispatch.remote(rows))), n),
+            "direct": lambda n: _times_ms(lambda: fan_out(group.shards, layer, h, ids, weights, 60.0), n),
+            "local": lambda n: _times_ms(lambda: moe.experts(h, ids, weights), n),
         }
         if args.moe_dispatch == "compiled":  # timed inside the stage that drives the compiled graph
-            total_ms["compiled"] = ray.get(group.stage.dispatch_ms.remote(rows, 20 * args.repeats))
+            timed["compiled"] = lambda n: ray.get(group.stage.dispatch_times_ms.remote(rows, n))
         with torch.no_grad():
-            expert_ms = _median_ms(lambda: moe.experts(h, ids, weights), 20 * args.repeats)
+            total_ms = _interleaved_medians(timed, rounds=4 * args.repeats, per_round=25)
+        expert_ms = total_ms.pop("local")
         added_ms = {mode: ms - expert_ms for mode, ms in total_ms.items()}
         moe_layers = sum(local.config.is_moe_layer(i) for i in range(local.config.num_layers))
         compiled = _compiled_graph(runner, B, prompt, args, local_ms, tokens)
         runner.shutdown()
-        single.shutdown()
     finally:
         ray.shutdown()
     return {

@@ -188,11 +188,10 @@ class PipelineStage:
                 ray.get(ref, timeout=self.direct.timeout_s)
 
     @torch.no_grad()
-    def dispatch_ms(self, rows: Bundle, repeats: int) -> float:
-        """Median wall time of this stage's direct or compiled dispatch of one layer's rows (tagged
-        with the layer), ms (k3ray bench cluster; a compiled graph can only be driven by the process
-        that compiled it)."""
-        import statistics
+    def dispatch_times_ms(self, rows: Bundle, repeats: int) -> list[float]:
+        """Wall times of this stage's direct or compiled dispatch of one layer's rows (tagged with
+        the layer), ms (k3ray bench cluster; a compiled graph can only be driven by the process that
+        compiled it)."""
         import time
 
         assert self.direct is not None, "only a stage with direct or compiled dispatch"
@@ -202,8 +201,8 @@ class PipelineStage:
         for _ in range(repeats):
             t0 = time.perf_counter()
             self.direct.fan_out(layer_idx, h, ids, weights)
-            times.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(times)
+            times.append(1000 * (time.perf_counter() - t0))
+        return times
 
     def relay(self, carry):
         """Hand a carry straight on (measures the Ray cost of one pipeline hop)."""
