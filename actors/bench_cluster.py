@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
     local_cache = ModelCache.allocate(local.config, B, B * 8, BLOCK)
 
     def local_step(a):
-        with torch.no_grad():
+        with torch.inference_mode():  # as the local executor (and each stage actor) runs
             local(a.input_ids, ForwardBatch(**a.batch_kwargs(), cache=local_cache))
 
     if args.address:
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> dict:
         }
         if args.moe_dispatch == "compiled":  # timed inside the stage that drives the compiled graph
             timed["compiled"] = lambda n: ray.get(group.stage.dispatch_times_ms.remote(rows, n))
-        with torch.no_grad():
+        with torch.inference_mode():
             total_ms = _interleaved_medians(timed, rounds=4 * args.repeats, per_round=25)
         expert_ms = total_ms.pop("local")
         added_ms = {mode: ms - expert_ms for mode, ms in total_ms.items()}

@@ -47,7 +47,7 @@ class ExpertShard:
         load_checkpoint(self.container, checkpoint)
         self.layer_range, self.expert_range = layer_range, expert_range
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as the local executor runs
     def compute(self, rows: Bundle) -> Bundle:
         """rows = (h [T, Dl], ids [T, k], weights [T, k]) routed here, tagged with the layer (one
         argument: Ray passes that cheapest) -> (partial y [T, Dl] fp32,) from experts [e0, e1)."""

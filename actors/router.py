@@ -91,7 +91,7 @@ class MoERouter:
         self.load = torch.zeros(num_experts, dtype=torch.long)  # routed (token, expert) pairs
         self.calls = 0
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def dispatch(self, rows: Bundle) -> Bundle:
         """rows = (h [T, Dl], ids [T, k], weights [T, k]) tagged with the layer -> (y [T, Dl] fp32,),
         summed over the shards."""

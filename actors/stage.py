@@ -149,7 +149,7 @@ class PipelineStage:
         self.cache = ModelCache.allocate(config, cache_spec.num_state_slots, cache_spec.num_blocks,
                                          cache_spec.block_size, dtype=dtype, layers=range(*layer_range))
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as the local executor runs
     def forward(self, step: StepArgs, carry: Bundle | None) -> Bundle:
         """First stage: carry is None. Returns (hidden [T, D], bank [T, R, D]) or, on the last
         stage, (logits [len(logits_indices), V] fp32,) — one wire bundle (k3ray.actors.wire)."""
@@ -174,6 +174,7 @@ class PipelineStage:
             hidden, bank = hidden[idx], [b[idx] for b in bank]
         return pack(self.model.head(hidden, bank).float())
 
+    @torch.inference_mode()
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """KDA / conv state slot copies (prefix-cache snapshots, speculative rollback)."""
         s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
@@ -187,7 +188,7 @@ class PipelineStage:
             if ref is not None:
                 ray.get(ref, timeout=self.direct.timeout_s)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def dispatch_times_ms(self, rows: Bundle, repeats: int) -> list[float]:
         """Wall times of this stage's direct or compiled dispatch of one layer's rows (tagged with
         the layer), ms (k3ray bench cluster; a compiled graph can only be driven by the process that
