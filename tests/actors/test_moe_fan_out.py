@@ -1,9 +1,10 @@
 """fan_out over real ExpertShard actors: the broadcast (small steps) and split (large steps) paths
-both equal the layer's experts computed in one process, bit for bit."""
+both equal the layer's experts computed in one process."""
 
 import pytest
 import torch
 
+from k3ray.testing import assert_close
 from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
@@ -42,6 +43,7 @@ def test_fan_out_equals_the_experts_in_one_process(model_and_shards, monkeypatch
         expected = moe.experts(h, ids, weights)
     got = router.fan_out(shards, layer, h, ids, weights, timeout_s=60.0)
     assert got.dtype == torch.float32 and got.shape == expected.shape
-    # every expert's rows meet the same weights in the same order on either side; partial sums add
-    # exact zeros for experts held elsewhere
-    assert torch.equal(got, expected)
+    # a shard runs the CPU expert path its own rows x experts select (kernels/moe/cpu.py), which
+    # may not be the one the whole layer selects: the same products, but summed by other GEMM
+    # kernels, so they agree to fp32 rounding (~1e-7), not bit for bit; a lost or misrouted row is O(1)
+    assert_close("fan_out", expected, got, 1e-6)

@@ -134,12 +134,13 @@ def test_experts_triton_no_local_tokens():
     assert torch.equal(got, torch.zeros(4, 32))
 
 
-@pytest.mark.parametrize("gathered", [False, True], ids=["grouped", "gathered"])
+@pytest.mark.parametrize("path", ["grouped", "gathered", "every"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("expert_offset", [0, 3], ids=["all_local", "offset3"])
-def test_experts_cpu_matches_naive(fmt, dtype, expert_offset, gathered, monkeypatch):
-    monkeypatch.setattr(moe_cpu, "GATHER_MAX_ELEMENTS", 1 << 30 if gathered else 0)
+def test_experts_cpu_matches_naive(fmt, dtype, expert_offset, path, monkeypatch):
+    monkeypatch.setattr(moe_cpu, "GATHER_MAX_ELEMENTS", 1 << 30 if path == "gathered" else 0)
+    monkeypatch.setattr(moe_cpu, "EVERY_EXPERT_MAX_MACS", 1 << 30 if path == "every" else 0)  # dense fp32 only
     T, k, E = 13, 3, 5
     Dl, I = (64, 96) if fmt == "mxfp4" else (45, 37)
     h = torch.randn(T, Dl, generator=_gen(4)).to(dtype)
@@ -147,8 +148,19 @@ def test_experts_cpu_matches_naive(fmt, dtype, expert_offset, gathered, monkeypa
     w1, w3, w2 = _experts(fmt, E, I, Dl, dtype, seed=6)
     ref = naive_moe_experts(h, ids, weights, w1, w3, w2, BETA, LINEAR_BETA, expert_offset)
     got = moe_experts_cpu(h, ids, weights, w1, w3, w2, BETA, LINEAR_BETA, expert_offset)
-    # the same per-expert GEMMs on the same rows, combined in the same order
+    # grouped / gathered: the same per-expert GEMMs on the same rows, combined in the same order;
+    # every: the same products through other GEMM kernels, a row's k = 3 outputs summed in another order
     assert_close("experts cpu", ref, got, 1e-6)
+
+
+@pytest.mark.parametrize("path", ["gathered", "every"])
+def test_experts_cpu_no_local_tokens(path, monkeypatch):
+    monkeypatch.setattr(moe_cpu, "EVERY_EXPERT_MAX_MACS", 1 << 30 if path == "every" else 0)
+    h = torch.randn(4, 32)
+    ids, weights = _routing(4, 6, 2)
+    w1, w3, w2 = _experts("dense", 2, 32, 32, torch.float32)
+    got = moe_experts_cpu(h, ids, weights, w1, w3, w2, BETA, LINEAR_BETA, expert_offset=6)
+    assert torch.equal(got, torch.zeros(4, 32))
 
 
 def test_experts_dispatch_uses_cpu_path_on_cpu():
