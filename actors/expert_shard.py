@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ray
 import torch
 from torch import nn
 
@@ -47,6 +48,9 @@ class ExpertShard:
         load_checkpoint(self.container, checkpoint)
         self.layer_range, self.expert_range = layer_range, expert_range
 
+    # per-layer calls (hundreds a second) would churn Ray's bounded task-event table and evict the
+    # tasks worth inspecting; a failed call still raises in its caller
+    @ray.method(enable_task_events=False)
     @torch.inference_mode()  # as the local executor runs
     def compute(self, rows: Bundle) -> Bundle:
         """rows = (h [T, Dl], ids [T, k], weights [T, k]) routed here, tagged with the layer (one
@@ -55,7 +59,5 @@ class ExpertShard:
         return pack(self.container.experts(layer_idx)(*tensors))
 
     def ready(self) -> dict:
-        import ray
-
         return {"layers": self.layer_range, "experts": self.expert_range,
                 "node_id": ray.get_runtime_context().get_node_id()}

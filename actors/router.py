@@ -91,6 +91,7 @@ class MoERouter:
         self.load = torch.zeros(num_experts, dtype=torch.long)  # routed (token, expert) pairs
         self.calls = 0
 
+    @ray.method(enable_task_events=False)  # per layer, as ExpertShard.compute
     @torch.inference_mode()
     def dispatch(self, rows: Bundle) -> Bundle:
         """rows = (h [T, Dl], ids [T, k], weights [T, k]) tagged with the layer -> (y [T, Dl] fp32,),
