@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=16, help="decode steps per repetition")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
-    p.add_argument("--moe-dispatch", choices=["router", "direct", "compiled"], default="router",
+    p.add_argument("--moe-dispatch", choices=["router", "direct", "compiled"], default="direct",
                    help="how the Ray runner's stages reach the expert shards")
 
 

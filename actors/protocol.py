@@ -32,7 +32,7 @@ class ParallelConfig:
     call_timeout_s: float = 120.0  # a step that takes longer fails instead of hanging
     max_restarts: int = 3  # a dead actor restarts and reloads its weights this many times
     torch_threads: int = 1  # per actor process
-    moe_dispatch: str = "router"
+    moe_dispatch: str = "direct"  # the stage calls its shards: one actor call per layer fewer than "router"
 
     def __post_init__(self) -> None:
         if self.pipeline < 1:

@@ -40,8 +40,8 @@ class ServeArgs(BaseModel):
     media_fetch_timeout_s: float = Field(10.0, gt=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     moe_dispatch: Literal["router", "direct", "compiled"] = Field(
-        "router", description="MoE rows through each stage's router actor, or from the stage straight to its shards "
-        "(by actor calls, or through a Ray Compiled Graph)")
+        "direct", description="MoE rows from each stage straight to its shards by actor calls, through the stage's "
+        "router actor, or through a Ray Compiled Graph")
     torch_threads: int | None = Field(None, ge=1)
     engine_process: bool = Field(
         True, description="run an undistributed model's engine in its own process (no GIL shared with HTTP work)")

@@ -61,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--media-fetch-timeout-s", type=float, default=None)
     m.add_argument("--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"], default=None)
     m.add_argument("--moe-dispatch", choices=["router", "direct", "compiled"], default=None,
-                   help="MoE rows through each stage's router actor (default), or straight to its shards by "
-                   "actor calls (direct) or through a Ray Compiled Graph (compiled)")
+                   help="MoE rows from each stage straight to its shards by actor calls (direct, the default), "
+                   "through the stage's router actor (router) or through a Ray Compiled Graph (compiled)")
     m.add_argument("--torch-threads", type=int, default=None)
     m.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="an undistributed model's engine in its own process, apart from HTTP handling (default on)")

@@ -50,8 +50,8 @@ def local_result(checkpoint):
 
 # the echo model accepts drafts; the random tiny model rejects them (rollback by slot choice)
 @pytest.mark.parametrize("pipeline, expert_parallel, model, dispatch", [
-    (1, 1, "echo", "router"), (2, 2, "echo", "router"), (3, 4, "echo", "router"), (2, 2, "random", "router"),
-    (2, 2, "random", "compiled")])
+    (1, 1, "echo", "router"), (2, 2, "echo", "router"), (3, 4, "echo", "direct"), (2, 2, "random", "router"),
+    (2, 2, "random", "direct"), (2, 2, "random", "compiled")])
 def test_ray_executor_equals_local(ray_cluster, echo_checkpoint, tiny_checkpoint, pipeline, expert_parallel, model,
                                    dispatch):
     checkpoint = echo_checkpoint if model == "echo" else tiny_checkpoint

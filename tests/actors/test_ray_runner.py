@@ -67,6 +67,7 @@ def test_ray_pipeline_equals_local(ray_cluster, tiny_checkpoint, local_model, pi
 
 
 @pytest.mark.parametrize("dispatch, victim", [("router", "expert shard 4-7 of stage 1"),
+                                              ("direct", "expert shard 4-7 of stage 1"),
                                               ("compiled", "expert shard 4-7 of stage 1"), ("compiled", "stage 1")])
 def test_dead_actor_fails_the_step_fast_then_recovers(ray_cluster, tiny_checkpoint, local_model, dispatch, victim):
     """An actor dies between a request's prefill and decode. With compiled dispatch a dead shard
