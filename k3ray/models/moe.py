@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from k3ray.kernels.moe import moe_experts, route, situ_glu
+from k3ray.kernels.moe.cpu import fuse_every_expert
 from k3ray.kernels.moe.mxfp4 import dequantize_mxfp4
 from k3ray.models.norm import RMSNorm
 
@@ -60,6 +61,7 @@ class LocalExperts(nn.Module):
             else:
                 setattr(self, name, nn.Parameter(torch.empty(count, o, i, dtype=dtype)))
         self._dequantized: dict[tuple, torch.Tensor] = {}
+        self._fused: tuple[tuple, tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def weights(self, name: str):
         if self.fmt == "mxfp4":
@@ -84,7 +86,19 @@ class LocalExperts(nn.Module):
             w1, w3, w2 = (self._cpu_weights(name, h.dtype) for name in ("w1", "w3", "w2"))
         else:
             w1, w3, w2 = (self.weights(name) for name in ("w1", "w3", "w2"))
-        return moe_experts(h, ids, weights, w1, w3, w2, self.beta, self.linear_beta, self.start)
+        return moe_experts(h, ids, weights, w1, w3, w2, self.beta, self.linear_beta, self.start,
+                           lambda: self._every_expert_weights(w1, w3, w2))
+
+    def _every_expert_weights(self, w1, w3, w2) -> tuple[torch.Tensor, torch.Tensor]:
+        """fuse_every_expert(w1, w3, w2), kept while these tensors (held here, so never a new one at
+        the same address) and their versions last (an inference-mode tensor, such as a dequantised
+        copy, has none; those copies are never written)."""
+        tensors = (w1, w3, w2)
+        versions = tuple(-1 if w.is_inference() else w._version for w in tensors)
+        cached = self._fused
+        if cached is None or any(a is not b for a, b in zip(cached[0], tensors)) or cached[1] != versions:
+            self._fused = cached = tensors, versions, fuse_every_expert(w1, w3, w2)
+        return cached[2]
 
 
 class StableLatentMoE(nn.Module):

@@ -3,10 +3,13 @@ expert's weights are dequantised once and applied to its rows as plain GEMMs, an
 index_add combines the weighted outputs (in the same order as the reference loop). A small
 decode batch over dense weights instead gathers each pair's expert weights and runs three batched
 GEMMs: a handful of ops instead of a dozen per used expert, which is what small calls cost; and
-when rows x experts is smaller still (fp32), every held expert runs on every row as three plain
-GEMMs, and a dense routing matrix (0 where a row is not routed) weights and sums the outputs."""
+when rows x experts is smaller still (fp32), every held expert runs on every row: one GEMM for all
+gate and up projections, the activations scaled by a dense routing matrix (0 where a row is not
+routed), one GEMM for the down projections and their sum."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -31,15 +34,19 @@ def moe_experts_cpu(
     beta: float,
     linear_beta: float,
     expert_offset: int = 0,
+    every_expert_weights: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """y [T, Dl] fp32 = sum_k weights[:, k] * E_{ids[:, k]}(h) over experts [expert_offset,
-    expert_offset + E_local); w1, w3 [E, I, Dl], w2 [E, Dl, I], each dense or an MXFP4 pair."""
+    expert_offset + E_local); w1, w3 [E, I, Dl], w2 [E, Dl, I], each dense or an MXFP4 pair.
+    every_expert_weights: a caller's cache of fuse_every_expert(w1, w3, w2), asked for only when
+    the every-expert path runs."""
     T, top_k = ids.shape
     E = _num_experts(w1)
     dense = not isinstance(w1, tuple) and not isinstance(w2, tuple) and not isinstance(w3, tuple)
     fp32 = {h.dtype, w1.dtype, w3.dtype, w2.dtype} == {torch.float32} if dense else False
     if fp32 and E and 3 * T * w1.numel() <= EVERY_EXPERT_MAX_MACS:
-        return _every_expert(h, ids.long() - expert_offset, weights, w1, w3, w2, beta, linear_beta)
+        w13t, w2c = every_expert_weights() if every_expert_weights else fuse_every_expert(w1, w3, w2)
+        return _every_expert(h, ids.long() - expert_offset, weights, w13t, w2c, E, beta, linear_beta)
     local = ids.reshape(-1).long() - expert_offset  # [T * k]
     held = ((local >= 0) & (local < E)).nonzero().squeeze(1)
     order = torch.argsort(local[held], stable=True)
@@ -64,17 +71,25 @@ def moe_experts_cpu(
     return torch.zeros(T, h.shape[1], dtype=torch.float32).index_add_(0, tok, out)
 
 
-def _every_expert(h, local, weights, w1, w3, w2, beta: float, linear_beta: float) -> torch.Tensor:
-    """h [T, Dl], local [T, k] ids minus the offset -> y [T, Dl] fp32: every held expert on every
-    row (a few GEMMs instead of a gather and a sort: what a decode step of small experts costs),
-    weighted by a dense [T, E] routing matrix that is 0 for the experts a row is not routed to."""
-    T = h.shape[0]
+def fuse_every_expert(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense w1, w3 [E, I, Dl], w2 [E, Dl, I] -> (w13t [Dl, 2 E I], w2c [E I, Dl]): every expert's
+    gate and up projections as one GEMM operand, and the down projections stacked along K."""
     E, I, Dl = w1.shape
-    held = (local >= 0) & (local < E)
-    gate = torch.zeros(T, E, dtype=torch.float32).scatter_add_(1, local.clamp(0, E - 1), weights.float() * held)
-    a = situ_glu(h @ w1.reshape(E * I, Dl).T, h @ w3.reshape(E * I, Dl).T, beta, linear_beta)  # [T, E * I]
-    y = torch.bmm(a.view(T, E, I).transpose(0, 1), w2.transpose(1, 2))  # [E, T, Dl]
-    return (y * gate.T[:, :, None]).sum(0)
+    w13t = torch.cat([w1.reshape(E * I, Dl), w3.reshape(E * I, Dl)]).T.contiguous()
+    return w13t, w2.transpose(1, 2).reshape(E * I, Dl).contiguous()
+
+
+def _every_expert(h, local, weights, w13t, w2c, E: int, beta: float, linear_beta: float) -> torch.Tensor:
+    """h [T, Dl], local [T, k] ids minus the offset -> y [T, Dl] fp32: every held expert on every
+    row, each expert's activations scaled by the row's routing weight for it (0 where the row is
+    not routed there), so one GEMM over [E I] projects and sums them."""
+    T = h.shape[0]
+    EI = w2c.shape[0]
+    slot = local.clamp_(-1, E).add_(1)  # [T, k]: 1..E held, 0 / E + 1 elsewhere
+    gate = torch.zeros(T, E + 2, dtype=torch.float32).scatter_add_(1, slot, weights.float())[:, 1 : E + 1]  # [T, E]
+    gu = h @ w13t  # [T, 2 E I]
+    a = situ_glu(gu[:, :EI], gu[:, EI:], beta, linear_beta)  # [T, E I]
+    return (a.view(T, E, EI // E) * gate[:, :, None]).view(T, EI) @ w2c
 
 
 def _gathered(x: torch.Tensor, experts: torch.Tensor, w1, w3, w2, beta: float, linear_beta: float) -> torch.Tensor:

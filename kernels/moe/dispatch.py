@@ -42,11 +42,13 @@ def _shape(w) -> tuple[int, int, int]:
     return tuple(w.shape)
 
 
-def moe_experts(h, ids, weights, w1, w3, w2, beta: float, linear_beta: float, expert_offset: int = 0) -> torch.Tensor:
+def moe_experts(h, ids, weights, w1, w3, w2, beta: float, linear_beta: float, expert_offset: int = 0,
+                every_expert_weights=None) -> torch.Tensor:
     """y [T, Dl] fp32 = sum_k weights[:, k] * E_{ids[:, k]}(h), E_e(h) = w2_e SiTU(w1_e h, w3_e h),
     over the experts held here (ids in [expert_offset, expert_offset + E_local)); other ids add 0.
 
-    h [T, Dl]; ids, weights [T, k]; w1, w3 [E_local, I, Dl], w2 [E_local, Dl, I] (dense or MXFP4)."""
+    h [T, Dl]; ids, weights [T, k]; w1, w3 [E_local, I, Dl], w2 [E_local, Dl, I] (dense or MXFP4);
+    every_expert_weights: optional cache for the CPU path (moe_experts_cpu)."""
     (E, I, Dl), s3, s2 = _shape(w1), _shape(w3), _shape(w2)
     if h.dim() != 2 or h.shape[1] != Dl or s3 != (E, I, Dl) or s2 != (E, Dl, I):
         raise ValueError(f"expected h [T, {Dl}], w3 {[E, I, Dl]}, w2 {[E, Dl, I]}; got h {list(h.shape)}, "
@@ -59,4 +61,4 @@ def moe_experts(h, ids, weights, w1, w3, w2, beta: float, linear_beta: float, ex
         from k3ray.kernels.moe.experts import moe_experts_triton
 
         return moe_experts_triton(h, ids, weights, w1, w3, w2, beta, linear_beta, expert_offset)
-    return moe_experts_cpu(h, ids, weights, w1, w3, w2, beta, linear_beta, expert_offset)
+    return moe_experts_cpu(h, ids, weights, w1, w3, w2, beta, linear_beta, expert_offset, every_expert_weights)
