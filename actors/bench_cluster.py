@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     from k3ray.actors.protocol import CacheSpec, ParallelConfig
     from k3ray.actors.runner import RayModelRunner
     from k3ray.actors.router import fan_out
-    from k3ray.actors.wire import pack, unpack
+    from k3ray.actors.wire import pack, unpack_raw
     from k3ray.default_model import default_checkpoint_dir
     from k3ray.models.forward_batch import ForwardBatch, ModelCache
     from k3ray.weights import load_model
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
         h = moe.routed_expert_down_proj(x).detach()
         rows = pack(h, ids, weights, tag=layer)
         timed = {
-            "router": lambda n: _times_ms(lambda: unpack(ray.get(router.dispatch.remote(rows))), n),
+            "router": lambda n: _times_ms(lambda: unpack_raw(ray.get(router.dispatch.remote(rows)), torch.float32, h.shape), n),
             "direct": lambda n: _times_ms(lambda: fan_out(group.shards, layer, h, ids, weights, 60.0), n),
             "local": lambda n: _times_ms(lambda: moe.experts(h, ids, weights), n),
         }

@@ -6,7 +6,7 @@ import ray
 import torch
 from torch import nn
 
-from k3ray.actors.wire import Bundle, pack, unpack_tagged
+from k3ray.actors.wire import Bundle, pack_raw, unpack_tagged
 from k3ray.config import ModelConfig
 
 
@@ -54,9 +54,10 @@ class ExpertShard:
     @torch.inference_mode()  # as the local executor runs
     def compute(self, rows: Bundle) -> Bundle:
         """rows = (h [T, Dl], ids [T, k], weights [T, k]) routed here, tagged with the layer (one
-        argument: Ray passes that cheapest) -> (partial y [T, Dl] fp32,) from experts [e0, e1)."""
+        argument: Ray passes that cheapest) -> partial y [T, Dl] fp32 from experts [e0, e1), raw
+        (wire.pack_raw: the caller knows its shape)."""
         layer_idx, tensors = unpack_tagged(rows)
-        return pack(self.container.experts(layer_idx)(*tensors))
+        return pack_raw(self.container.experts(layer_idx)(*tensors))
 
     def ready(self) -> dict:
         return {"layers": self.layer_range, "experts": self.expert_range,

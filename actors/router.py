@@ -13,7 +13,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from k3ray.actors.wire import Bundle, pack, unpack, unpack_tagged
+from k3ray.actors.wire import Bundle, pack, pack_raw, unpack, unpack_raw, unpack_tagged
 
 ShardMap = list[tuple[int, int, "ray.actor.ActorHandle"]]  # (e0, e1, shard), covering [0, num_experts)
 
@@ -58,17 +58,17 @@ def split(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, 
     return targets, bundles, rows
 
 
-def combine(shape: torch.Size, rows: list[torch.Tensor] | None, parts: list[Bundle]) -> torch.Tensor:
-    """Sum the shards' partial outputs (one bundle per target of split, rows[s] of y each or the
-    whole step) -> y [T, Dl] fp32."""
+def combine(shape: torch.Size, rows: list[torch.Tensor] | None, parts: list) -> torch.Tensor:
+    """Sum the shards' partial outputs (raw fp32, one per target of split: rows[s] of y each or
+    the whole step) -> y [T, Dl] fp32."""
     if rows is None and parts:
-        y = unpack(parts[0])[0]
+        y = unpack_raw(parts[0], torch.float32, shape)
         for part in parts[1:]:
-            y += unpack(part)[0]
+            y += unpack_raw(part, torch.float32, shape)
         return y
     y = torch.zeros(shape, dtype=torch.float32)
     for r, part in zip(rows or [], parts):
-        y.index_add_(0, r, unpack(part)[0])
+        y.index_add_(0, r, unpack_raw(part, torch.float32, (r.numel(), shape[1])))
     return y
 
 
@@ -93,14 +93,14 @@ class MoERouter:
 
     @ray.method(enable_task_events=False)  # per layer, as ExpertShard.compute
     @torch.inference_mode()
-    def dispatch(self, rows: Bundle) -> Bundle:
-        """rows = (h [T, Dl], ids [T, k], weights [T, k]) tagged with the layer -> (y [T, Dl] fp32,),
-        summed over the shards."""
+    def dispatch(self, rows: Bundle) -> bytes:
+        """rows = (h [T, Dl], ids [T, k], weights [T, k]) tagged with the layer -> y [T, Dl] fp32
+        summed over the shards, raw (wire.pack_raw)."""
         layer_idx, (h, ids, weights) = unpack_tagged(rows)
         y = fan_out(self.shards, layer_idx, h, ids, weights, self.timeout)
         self.load += torch.bincount(ids.flatten(), minlength=self.load.numel())
         self.calls += 1
-        return pack(y)
+        return pack_raw(y)
 
     def shard_map(self) -> ShardMap:
         """What a stage dispatching directly calls."""

@@ -13,7 +13,7 @@ from torch import nn
 
 from k3ray.actors.protocol import CacheSpec, StageFailure, StepArgs
 from k3ray.actors.router import combine, fan_out, split
-from k3ray.actors.wire import Bundle, pack, unpack, unpack_tagged
+from k3ray.actors.wire import Bundle, pack, unpack, unpack_raw, unpack_tagged
 
 
 class DirectDispatch:
@@ -116,7 +116,7 @@ class RemoteExperts(nn.Module):
         if self.direct is not None:
             return self.direct(self.layer_idx, h, ids, weights)
         ref = self.router.dispatch.remote(pack(h, ids, weights, tag=self.layer_idx))
-        return unpack(ray.get(ref, timeout=self.timeout_s))[0]
+        return unpack_raw(ray.get(ref, timeout=self.timeout_s), torch.float32, h.shape)
 
 
 class PipelineStage:

@@ -9,7 +9,7 @@ import torch
 
 from k3ray.actors import wire
 from k3ray.actors.protocol import StepArgs
-from k3ray.actors.wire import pack, unpack, unpack_tagged
+from k3ray.actors.wire import pack, pack_raw, unpack, unpack_raw, unpack_tagged
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]
@@ -43,6 +43,22 @@ def test_a_tag_travels_in_the_header(large, monkeypatch):
     tag, back = unpack_tagged(pickle.loads(pickle.dumps(pack(*tensors, tag=7))))
     assert tag == 7 and all(torch.equal(a, b) for a, b in zip(tensors, back))
     assert unpack_tagged(pack(*tensors))[0] is None
+
+
+@pytest.mark.parametrize("large", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_raw_tensor_round_trip(large, dtype, monkeypatch):
+    """pack_raw: the bytes alone (the receiver knows dtype and shape), a numpy array when large."""
+    if large:
+        monkeypatch.setattr(wire, "SMALL_PAYLOAD_BYTES", 0)
+    t = (torch.randn(6, 5) * 100).to(dtype)
+    raw = pack_raw(t.T)  # not contiguous
+    assert isinstance(raw, np.ndarray) if large else raw == t.T.contiguous().view(torch.uint8).numpy().tobytes()
+    back = unpack_raw(pickle.loads(pickle.dumps(raw)), dtype, (5, 6))
+    assert back.dtype == dtype and torch.equal(back, t.T)
+    back.add_(1)  # writable, independent of the sender
+    assert torch.equal(unpack_raw(raw, dtype, (5, 6)), t.T)
+    assert unpack_raw(pack_raw(torch.zeros(0, 3)), torch.float32, (0, 3)).shape == (0, 3)
 
 
 def test_small_bundles_are_one_bytes_object():
