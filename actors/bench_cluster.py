@@ -5,7 +5,9 @@ layer, and the same decode loop through Ray Compiled Graphs.
 dispatch_ms_per_layer is the latency one MoE layer's dispatch adds over computing the same rows'
 experts locally, with the --moe-dispatch mode; dispatch_added_ms holds each mode measured (through
 the router actor, from the caller straight to the shards, and with --moe-dispatch compiled the
-stage's compiled graph, timed inside that stage) and dispatch_total_ms their wall times."""
+stage's compiled graph, timed inside that stage) and dispatch_total_ms their wall times;
+dispatch_floor_ms is the direct mode's calls with the same payloads answered without work (what Ray
+alone costs on this machine at the time)."""
 
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from k3ray.actors.protocol import CacheSpec, ParallelConfig
     from k3ray.actors.runner import RayModelRunner
-    from k3ray.actors.router import fan_out
+    from k3ray.actors.router import fan_out, split
     from k3ray.actors.wire import pack, unpack_raw
     from k3ray.default_model import default_checkpoint_dir
     from k3ray.models.forward_batch import ForwardBatch, ModelCache
@@ -151,7 +153,10 @@ def run(args: argparse.Namespace) -> dict:
         weights, ids = moe.gate(x)
         h = moe.routed_expert_down_proj(x).detach()
         rows = pack(h, ids, weights, tag=layer)
+        targets, bundles, _ = split(group.shards, layer, h, ids, weights)
         timed = {
+            # the same calls with the same payloads, answered without work: Ray's floor right now
+            "floor": lambda n: _times_ms(lambda: ray.get([s.relay.remote(b) for s, b in zip(targets, bundles)]), n),
             "router": lambda n: _times_ms(lambda: unpack_raw(ray.get(router.dispatch.remote(rows)), torch.float32, h.shape), n),
             "direct": lambda n: _times_ms(lambda: fan_out(group.shards, layer, h, ids, weights, 60.0), n),
             "local": lambda n: _times_ms(lambda: moe.experts(h, ids, weights), n),
@@ -161,6 +166,7 @@ def run(args: argparse.Namespace) -> dict:
         with torch.inference_mode():
             total_ms = _interleaved_medians(timed, rounds=4 * args.repeats, per_round=25)
         expert_ms = total_ms.pop("local")
+        floor_ms = total_ms.pop("floor")
         added_ms = {mode: ms - expert_ms for mode, ms in total_ms.items()}
         moe_layers = sum(local.config.is_moe_layer(i) for i in range(local.config.num_layers))
         compiled = _compiled_graph(runner, B, prompt, args, local_ms, tokens)
@@ -173,6 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         "dispatch_ms_per_layer": added_ms[args.moe_dispatch],
         "dispatch_added_ms": added_ms,
         "dispatch_total_ms": total_ms,
+        "dispatch_floor_ms": floor_ms,
         "compiled_graphs": compiled,
         "local_decode_tok_s": local_tok_s,
         "ray_decode_tok_s": ray_tok_s,
