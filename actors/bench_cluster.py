@@ -52,13 +52,8 @@ def _prefill_args(batch: int, prompt: int):
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    fn()  # warm-up
+    return statistics.median(_times_ms(fn, repeats))
 
 
 def _times_ms(fn, n: int) -> list[float]:

@@ -43,7 +43,7 @@ def moe_experts_cpu(
     T, top_k = ids.shape
     E = _num_experts(w1)
     dense = not isinstance(w1, tuple) and not isinstance(w2, tuple) and not isinstance(w3, tuple)
-    fp32 = {h.dtype, w1.dtype, w3.dtype, w2.dtype} == {torch.float32} if dense else False
+    fp32 = dense and {h.dtype, w1.dtype, w3.dtype, w2.dtype} == {torch.float32}
     if fp32 and E and 3 * T * w1.numel() <= EVERY_EXPERT_MAX_MACS:
         w13t, w2c = every_expert_weights() if every_expert_weights else fuse_every_expert(w1, w3, w2)
         return _every_expert(h, ids.long() - expert_offset, weights, w13t, w2c, E, beta, linear_beta)
@@ -85,7 +85,7 @@ def _every_expert(h, local, weights, w13t, w2c, E: int, beta: float, linear_beta
     not routed there), so one GEMM over [E I] projects and sums them."""
     T = h.shape[0]
     EI = w2c.shape[0]
-    slot = local.clamp_(-1, E).add_(1)  # [T, k]: 1..E held, 0 / E + 1 elsewhere
+    slot = local.clamp(-1, E) + 1  # [T, k]: 1..E held, 0 / E + 1 elsewhere
     gate = torch.zeros(T, E + 2, dtype=torch.float32).scatter_add_(1, slot, weights.float())[:, 1 : E + 1]  # [T, E]
     gu = h @ w13t  # [T, 2 E I]
     a = situ_glu(gu[:, :EI], gu[:, EI:], beta, linear_beta)  # [T, E I]
