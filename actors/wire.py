@@ -88,7 +88,7 @@ def unpack_tagged(bundle: Bundle) -> tuple[int | None, list[torch.Tensor | None]
         size = int.from_bytes(payload[:_PREFIX], "little")
         header = pickle.loads(payload[_PREFIX : _PREFIX + size])
         base = _aligned(_PREFIX + size)
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    buf = _own_bytes(payload)
     tag, entries = header
     out: list[torch.Tensor | None] = []
     for entry in entries:
@@ -112,10 +112,11 @@ def pack_raw(t: torch.Tensor) -> bytes | np.ndarray:
 
 def unpack_raw(payload: bytes | np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
     """pack_raw's tensor, writable and sharing nothing with the sender."""
+    return _own_bytes(payload).view(dtype).view(shape)
+
+
+def _own_bytes(payload: bytes | np.ndarray) -> torch.Tensor:
+    """A writable uint8 copy of a received payload (Ray hands out read-only buffers)."""
     if not len(payload):
-        return torch.empty(shape, dtype=dtype)
-    if isinstance(payload, np.ndarray):
-        data = torch.from_numpy(payload.copy())
-    else:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return data.view(dtype).view(shape)
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
