@@ -13,7 +13,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from k3ray.actors.wire import Bundle, pack, pack_raw, unpack, unpack_raw, unpack_tagged
+from k3ray.actors.wire import Bundle, pack, pack_raw, sum_raw, unpack, unpack_raw, unpack_tagged
 
 ShardMap = list[tuple[int, int, "ray.actor.ActorHandle"]]  # (e0, e1, shard), covering [0, num_experts)
 
@@ -62,10 +62,7 @@ def combine(shape: torch.Size, rows: list[torch.Tensor] | None, parts: list) -> 
     """Sum the shards' partial outputs (raw fp32, one per target of split: rows[s] of y each or
     the whole step) -> y [T, Dl] fp32."""
     if rows is None and parts:
-        y = unpack_raw(parts[0], torch.float32, shape)
-        for part in parts[1:]:
-            y += unpack_raw(part, torch.float32, shape)
-        return y
+        return sum_raw(parts, torch.float32, shape)
     y = torch.zeros(shape, dtype=torch.float32)
     for r, part in zip(rows or [], parts):
         y.index_add_(0, r, unpack_raw(part, torch.float32, (r.numel(), shape[1])))

@@ -13,6 +13,7 @@ prefill activations are not copied into bytes. Every dtype is bit-exact (bf16 in
     layer_idx, (h, ids, weights) = unpack_tagged(bundle)
     raw = pack_raw(y)                     # one tensor whose dtype and shape the receiver knows
     y = unpack_raw(raw, torch.float32, (T, D))
+    y = sum_raw([raw_a, raw_b], torch.float32, (T, D))   # several partial outputs, summed in order
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool,
 )}
+_NUMPY_DTYPES = {d: torch.empty(0, dtype=d).numpy().dtype for d in DTYPES.values() if d != torch.bfloat16}
 
 # small: bytes (length of the pickled header, the header, padding, the tensors);
 # large: (header, payload array); header = (tag, entries), one (dtype name, shape, byte offset) or
@@ -42,7 +44,7 @@ def _aligned(n: int) -> int:
 
 
 def pack(*tensors: torch.Tensor | None, tag: int | None = None) -> Bundle:
-    entries, offset = [], 0
+    entries, chunks, offset = [], [], 0
     for t in tensors:
         if t is None:
             entries.append(None)
@@ -50,27 +52,31 @@ def pack(*tensors: torch.Tensor | None, tag: int | None = None) -> Bundle:
         name = str(t.dtype).removeprefix("torch.")
         assert name in DTYPES, f"no wire format for {t.dtype}"
         entries.append((name, tuple(t.shape), offset))
-        offset += _aligned(t.numel() * t.element_size())
-    entries = tuple(entries)
-    header = (tag, entries)
+        data = _numpy(t)
+        chunks.append(data)
+        offset += _aligned(data.nbytes)
+    header = (tag, tuple(entries))
     if offset > SMALL_PAYLOAD_BYTES:
-        buf = torch.empty(offset, dtype=torch.uint8)
-        _copy_in(buf, 0, tensors, entries)
-        return header, buf.numpy()
+        buf = np.empty(offset, dtype=np.uint8)
+        for data, entry in zip(chunks, (e for e in entries if e is not None)):
+            buf[entry[2] : entry[2] + data.nbytes] = data.reshape(-1).view(np.uint8)
+        return header, buf
     head = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
-    base = _aligned(_PREFIX + len(head))
-    out = bytearray(base + offset)
-    out[:_PREFIX] = len(head).to_bytes(_PREFIX, "little")
-    out[_PREFIX : _PREFIX + len(head)] = head
-    _copy_in(torch.frombuffer(out, dtype=torch.uint8), base, tensors, entries)
-    return bytes(out)
+    parts = [len(head).to_bytes(_PREFIX, "little"), head, _padding(_PREFIX + len(head))]
+    for data in chunks:  # numpy calls, not torch ops: a small bundle is all per-call overhead
+        parts += [data.tobytes(), _padding(data.nbytes)]
+    return b"".join(parts)
 
 
-def _copy_in(buf: torch.Tensor, base: int, tensors, entries) -> None:
-    for t, entry in zip(tensors, entries):
-        if entry is not None and t.numel():
-            start = base + entry[2]
-            buf[start : start + t.numel() * t.element_size()].view(t.dtype).copy_(t.detach().reshape(-1))
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """t's elements as a numpy array sharing its memory where it can (bf16 as int16: numpy has no bf16)."""
+    if t.requires_grad or t.device.type != "cpu":
+        t = t.detach().cpu()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _padding(n: int) -> bytes:
+    return bytes(_aligned(n) - n)
 
 
 def unpack(bundle: Bundle) -> list[torch.Tensor | None]:
@@ -98,7 +104,7 @@ def unpack_tagged(bundle: Bundle) -> tuple[int | None, list[torch.Tensor | None]
         name, shape, start = entry
         dtype = DTYPES[name]
         n = math.prod(shape) * dtype.itemsize  # np.prod cost ~10 us a tensor, in a 0.1 ms call
-        out.append(buf[base + start : base + start + n].view(dtype).view(shape))
+        out.append(_tensor(buf[base + start : base + start + n], dtype, shape))
     return tag, out
 
 
@@ -106,17 +112,37 @@ def pack_raw(t: torch.Tensor) -> bytes | np.ndarray:
     """A tensor's bytes alone, for a receiver that knows its dtype and shape (an expert shard's
     partial output: no header to pickle and read per call); a numpy array above
     SMALL_PAYLOAD_BYTES, which Ray passes out of band."""
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
-    return data.numpy().tobytes() if data.numel() <= SMALL_PAYLOAD_BYTES else data.numpy()
+    data = _numpy(t)
+    return data.tobytes() if data.nbytes <= SMALL_PAYLOAD_BYTES else np.ascontiguousarray(data)
 
 
 def unpack_raw(payload: bytes | np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
     """pack_raw's tensor, writable and sharing nothing with the sender."""
-    return _own_bytes(payload).view(dtype).view(shape)
+    return _tensor(_own_bytes(payload), dtype, shape)
 
 
-def _own_bytes(payload: bytes | np.ndarray) -> torch.Tensor:
+def sum_raw(payloads: list, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The sum, in order, of pack_raw payloads of one dtype and shape -> a new tensor (read in place:
+    no writable copy of each)."""
+    assert payloads and dtype in _NUMPY_DTYPES, (len(payloads), dtype)
+    np_dtype = _NUMPY_DTYPES[dtype]
+    if len(payloads) == 1:
+        return unpack_raw(payloads[0], dtype, shape)
+    total = np.frombuffer(payloads[0], np_dtype) + np.frombuffer(payloads[1], np_dtype)
+    for payload in payloads[2:]:
+        total += np.frombuffer(payload, np_dtype)
+    return torch.from_numpy(total.reshape(shape))
+
+
+def _own_bytes(payload: bytes | np.ndarray) -> np.ndarray:
     """A writable uint8 copy of a received payload (Ray hands out read-only buffers)."""
-    if not len(payload):
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return np.frombuffer(bytearray(payload), dtype=np.uint8)
+
+
+def _tensor(data: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    """uint8 bytes [n] -> a tensor of dtype and shape on them (numpy views and one from_numpy:
+    fewer dispatched ops than slicing a uint8 tensor)."""
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(data.view(np.int16).reshape(shape)).view(torch.bfloat16)
+    return torch.from_numpy(data.view(_NUMPY_DTYPES[dtype]).reshape(shape))
+

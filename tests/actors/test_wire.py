@@ -78,3 +78,28 @@ def test_step_args_pickle_as_one_bundle():
                  "mm_positions", "mm_embeds"):
         assert torch.equal(getattr(back, name), getattr(step, name)), name
     assert back.spec_state_slots is None
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_sum_raw_adds_partials_in_order(large, monkeypatch):
+    """sum_raw == unpack_raw of the first + each further one in turn, bit for bit, as a new tensor."""
+    if large:
+        monkeypatch.setattr(wire, "SMALL_PAYLOAD_BYTES", 0)
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(4, 3, generator=gen) * 10 ** i for i in range(3)]  # rounding depends on order
+    raws = [pickle.loads(pickle.dumps(pack_raw(p))) for p in parts]
+    for n in (1, 2, 3):
+        expected = parts[0].clone()
+        for p in parts[1:n]:
+            expected += p
+        got = wire.sum_raw(raws[:n], torch.float32, (4, 3))
+        assert got.shape == (4, 3) and torch.equal(got, expected)
+        got.add_(1)  # writable, independent of the payloads
+    assert torch.equal(wire.sum_raw(raws[:1], torch.float32, (4, 3)), parts[0])
+
+
+def test_pack_detaches_a_tensor_that_requires_grad():
+    t = torch.randn(3, 2, requires_grad=True)
+    (back,) = unpack(pack(t * 2))
+    assert not back.requires_grad and torch.equal(back, (t * 2).detach())
+    assert torch.equal(unpack_raw(pack_raw(t), torch.float32, (3, 2)), t.detach())
