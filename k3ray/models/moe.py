@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from k3ray.kernels.moe import moe_experts, route, situ_glu
-from k3ray.kernels.moe.cpu import fuse_every_expert
+from k3ray.kernels.moe.cpu import EveryExpertWeights, fuse_every_expert
 from k3ray.kernels.moe.mxfp4 import dequantize_mxfp4
 from k3ray.models.norm import RMSNorm
 
@@ -60,45 +60,63 @@ class LocalExperts(nn.Module):
                 self.register_buffer(f"{name}_scale", torch.full((count, o, i // 32), 127, dtype=torch.uint8))
             else:
                 setattr(self, name, nn.Parameter(torch.empty(count, o, i, dtype=dtype)))
-        self._dequantized: dict[tuple, torch.Tensor] = {}
-        self._fused: tuple[tuple, tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._stored_names = [f"{n}_{part}" for n in ("w1", "w3", "w2") for part in ("packed", "scale")] \
+            if fmt == "mxfp4" else ["w1", "w3", "w2"]
+        self._cpu_cache: dict[torch.dtype, _CpuOperands] = {}
 
     def weights(self, name: str):
         if self.fmt == "mxfp4":
             return getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
         return getattr(self, name)
 
-    def _cpu_weights(self, name: str, dtype: torch.dtype):
-        """MXFP4 weights as a dense [E, out, in] copy when small enough (keyed by the buffers'
-        version counters, so loading new weights in place invalidates it), else packed."""
-        packed, scale = self.weights(name)
-        if packed.numel() * 2 * dtype.itemsize > DEQUANTIZED_CACHE_BYTES:
-            return packed, scale
-        key = (name, dtype, packed._version, scale._version)
-        if key not in self._dequantized:
-            self._dequantized = {k: v for k, v in self._dequantized.items() if k[:2] != key[:2]}
-            self._dequantized[key] = dequantize_mxfp4(packed, scale, dtype)
-        return self._dequantized[key]
-
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """h [T, Dl] -> partial y [T, Dl] fp32 from the experts held here."""
-        if self.fmt == "mxfp4" and h.device.type == "cpu":
-            w1, w3, w2 = (self._cpu_weights(name, h.dtype) for name in ("w1", "w3", "w2"))
-        else:
+        if h.device.type != "cpu":
             w1, w3, w2 = (self.weights(name) for name in ("w1", "w3", "w2"))
-        return moe_experts(h, ids, weights, w1, w3, w2, self.beta, self.linear_beta, self.start,
-                           lambda: self._every_expert_weights(w1, w3, w2))
+            return moe_experts(h, ids, weights, w1, w3, w2, self.beta, self.linear_beta, self.start)
+        cpu = self._cpu_operands(h.dtype)
+        return moe_experts(h, ids, weights, *cpu.weights, self.beta, self.linear_beta, self.start,
+                           cpu.every_expert_weights)
 
-    def _every_expert_weights(self, w1, w3, w2) -> tuple[torch.Tensor, torch.Tensor]:
-        """fuse_every_expert(w1, w3, w2), kept while these tensors (held here, so never a new one at
-        the same address) and their versions last (an inference-mode tensor, such as a dequantised
-        copy, has none; those copies are never written)."""
-        tensors = (w1, w3, w2)
-        versions = tuple(-1 if w.is_inference() else w._version for w in tensors)
-        cached = self._fused
-        if cached is None or any(a is not b for a, b in zip(cached[0], tensors)) or cached[1] != versions:
-            self._fused = cached = tensors, versions, fuse_every_expert(w1, w3, w2)
-        return cached[2]
+    def _cpu_operands(self, dtype: torch.dtype) -> _CpuOperands:
+        """The CPU kernels' weights for activations of dtype, kept while the stored tensors and their
+        version counters last (loading new weights in place invalidates them). One check per call:
+        a per-layer call of a decode step is mostly such overhead."""
+        table = self._buffers if self.fmt == "mxfp4" else self._parameters  # not nn.Module.__getattr__: ~us each
+        stored = tuple(table[name] for name in self._stored_names)
+        versions = tuple(-1 if t.is_inference() else t._version for t in stored)  # inference tensors have none
+        entry = self._cpu_cache.get(dtype)
+        if entry is None or entry.versions != versions or any(a is not b for a, b in zip(entry.stored, stored)):
+            entry = _CpuOperands(stored, versions, self._cpu_weights(dtype), self.beta, self.linear_beta)
+            self._cpu_cache[dtype] = entry
+        return entry
+
+    def _cpu_weights(self, dtype: torch.dtype) -> tuple:
+        """(w1, w3, w2): MXFP4 as a dense [E, out, in] copy when small enough (exact), else packed;
+        dense weights as stored."""
+        if self.fmt != "mxfp4":
+            return tuple(self.weights(name) for name in ("w1", "w3", "w2"))
+        out = []
+        for name in ("w1", "w3", "w2"):
+            packed, scale = self.weights(name)
+            small = packed.numel() * 2 * dtype.itemsize <= DEQUANTIZED_CACHE_BYTES
+            out.append(dequantize_mxfp4(packed, scale, dtype) if small else (packed, scale))
+        return tuple(out)
+
+
+class _CpuOperands:
+    """One LocalExperts' CPU weights for one activation dtype and, built on first use, their
+    every-expert fusion."""
+
+    def __init__(self, stored: tuple, versions: tuple, weights: tuple, beta: float, linear_beta: float):
+        self.stored, self.versions, self.weights = stored, versions, weights  # held: no address reuse
+        self.beta, self.linear_beta = beta, linear_beta
+        self.fused: EveryExpertWeights | None = None
+
+    def every_expert_weights(self) -> EveryExpertWeights:
+        if self.fused is None:
+            self.fused = fuse_every_expert(*self.weights, self.beta, self.linear_beta)
+        return self.fused
 
 
 class StableLatentMoE(nn.Module):

@@ -10,6 +10,7 @@ routed), one GEMM for the down projections and their sum."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -34,19 +35,19 @@ def moe_experts_cpu(
     beta: float,
     linear_beta: float,
     expert_offset: int = 0,
-    every_expert_weights: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    every_expert_weights: Callable[[], EveryExpertWeights] | None = None,
 ) -> torch.Tensor:
     """y [T, Dl] fp32 = sum_k weights[:, k] * E_{ids[:, k]}(h) over experts [expert_offset,
     expert_offset + E_local); w1, w3 [E, I, Dl], w2 [E, Dl, I], each dense or an MXFP4 pair.
-    every_expert_weights: a caller's cache of fuse_every_expert(w1, w3, w2), asked for only when
-    the every-expert path runs."""
+    every_expert_weights: a caller's cache of fuse_every_expert(w1, w3, w2, beta, linear_beta),
+    asked for only when the every-expert path runs."""
     T, top_k = ids.shape
     E = _num_experts(w1)
     dense = not isinstance(w1, tuple) and not isinstance(w2, tuple) and not isinstance(w3, tuple)
     fp32 = dense and {h.dtype, w1.dtype, w3.dtype, w2.dtype} == {torch.float32}
     if fp32 and E and 3 * T * w1.numel() <= EVERY_EXPERT_MAX_MACS:
-        w13t, w2c = every_expert_weights() if every_expert_weights else fuse_every_expert(w1, w3, w2)
-        return _every_expert(h, ids.long() - expert_offset, weights, w13t, w2c, E, beta, linear_beta)
+        fused = every_expert_weights() if every_expert_weights else fuse_every_expert(w1, w3, w2, beta, linear_beta)
+        return _every_expert(h, ids, weights, expert_offset, fused)
     local = ids.reshape(-1).long() - expert_offset  # [T * k]
     held = ((local >= 0) & (local < E)).nonzero().squeeze(1)
     order = torch.argsort(local[held], stable=True)
@@ -71,25 +72,41 @@ def moe_experts_cpu(
     return torch.zeros(T, h.shape[1], dtype=torch.float32).index_add_(0, tok, out)
 
 
-def fuse_every_expert(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense w1, w3 [E, I, Dl], w2 [E, Dl, I] -> (w13t [Dl, 2 E I], w2c [E I, Dl]): every expert's
-    gate and up projections as one GEMM operand, and the down projections stacked along K."""
+class EveryExpertWeights(NamedTuple):
+    """Every held expert as the every-expert path's operands (E experts of width I)."""
+
+    w13t: torch.Tensor  # [Dl, 2 E I]: all gate projections, then all up projections
+    divisors: torch.Tensor  # [2 E I]: beta under the gate columns, linear_beta under the up ones
+    w2c: torch.Tensor  # [E I, Dl]: the down projections stacked along K, times beta * linear_beta
+    num_experts: int
+
+
+def fuse_every_expert(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, beta: float,
+                      linear_beta: float) -> EveryExpertWeights:
+    """Dense w1, w3 [E, I, Dl], w2 [E, Dl, I] -> the every-expert operands. SiTU's two outer
+    constants move into w2c (one product per weight, once), so a call spends no op on them."""
     E, I, Dl = w1.shape
-    w13t = torch.cat([w1.reshape(E * I, Dl), w3.reshape(E * I, Dl)]).T.contiguous()
-    return w13t, w2.transpose(1, 2).reshape(E * I, Dl).contiguous()
+    with torch.no_grad():  # an inference cache: nothing differentiates through it
+        w13t = torch.cat([w1.reshape(E * I, Dl), w3.reshape(E * I, Dl)]).T.contiguous()
+        divisors = torch.cat([torch.full((E * I,), beta), torch.full((E * I,), linear_beta)]).to(w13t.dtype)
+        w2c = w2.transpose(1, 2).reshape(E * I, Dl) * (beta * linear_beta)
+    return EveryExpertWeights(w13t, divisors, w2c.contiguous(), E)
 
 
-def _every_expert(h, local, weights, w13t, w2c, E: int, beta: float, linear_beta: float) -> torch.Tensor:
-    """h [T, Dl], local [T, k] ids minus the offset -> y [T, Dl] fp32: every held expert on every
-    row, each expert's activations scaled by the row's routing weight for it (0 where the row is
-    not routed there), so one GEMM over [E I] projects and sums them."""
-    T = h.shape[0]
-    EI = w2c.shape[0]
-    slot = local.clamp(-1, E) + 1  # [T, k]: 1..E held, 0 / E + 1 elsewhere
-    gate = torch.zeros(T, E + 2, dtype=torch.float32).scatter_add_(1, slot, weights.float())[:, 1 : E + 1]  # [T, E]
-    gu = h @ w13t  # [T, 2 E I]
-    a = situ_glu(gu[:, :EI], gu[:, EI:], beta, linear_beta)  # [T, E I]
-    return (a.view(T, E, EI // E) * gate[:, :, None]).view(T, EI) @ w2c
+def _every_expert(h, ids, weights, expert_offset: int, fused: EveryExpertWeights) -> torch.Tensor:
+    """h [T, Dl], ids [T, k] -> y [T, Dl] fp32: every held expert on every row, each expert's
+    activations scaled by the row's routing weight for it (0 where the row is not routed there),
+    so one GEMM over [E I] projects and sums them. A decode step's call is a few dozen
+    microseconds of op overhead, so this counts ops: SiTU(g, u) / (beta linear_beta) =
+    tanh(g / beta) sigmoid(g) tanh(u / linear_beta) in five, on one division and one tanh."""
+    T, E = h.shape[0], fused.num_experts
+    EI = fused.w2c.shape[0]
+    slot = (ids.long() - (expert_offset - 1)).clamp_(0, E + 1)  # [T, k]: 1..E held, 0 / E + 1 elsewhere
+    gate = torch.zeros(T, E + 2, dtype=torch.float32).scatter_add_(1, slot, weights.float())  # [T, E + 2]
+    gu = h @ fused.w13t  # [T, 2 E I]: g | u
+    t_g, t_u = (gu / fused.divisors).tanh_().chunk(2, dim=1)  # [T, E I] each
+    a = t_g.mul_(gu[:, :EI].sigmoid_()).mul_(t_u)  # [T, E I], row stride 2 E I
+    return (a.view(T, E, EI // E) * gate[:, 1 : E + 1, None]).view(T, EI) @ fused.w2c
 
 
 def _gathered(x: torch.Tensor, experts: torch.Tensor, w1, w3, w2, beta: float, linear_beta: float) -> torch.Tensor:

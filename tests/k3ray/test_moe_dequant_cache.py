@@ -23,7 +23,12 @@ def fill(experts: LocalExperts, seed: int) -> None:
 
 def run(experts, h, ids, weights, monkeypatch, cache_bytes):
     monkeypatch.setattr(moe_module, "DEQUANTIZED_CACHE_BYTES", cache_bytes)
+    experts._cpu_cache.clear()  # the limit is read when the CPU operands are built
     return experts(h, ids, weights)
+
+
+def cpu_weights(experts, dtype=torch.float32):
+    return experts._cpu_cache[dtype].weights
 
 
 def test_dequantized_copy_is_exact_and_follows_reloads(monkeypatch):
@@ -36,15 +41,32 @@ def test_dequantized_copy_is_exact_and_follows_reloads(monkeypatch):
     weights = torch.rand(9, 2, generator=gen)
     fill(experts, 1)
     packed = run(experts, h, ids, weights, monkeypatch, 0)
-    assert not experts._dequantized
+    assert all(isinstance(w, tuple) for w in cpu_weights(experts))  # too big for the limit: kept packed
     cached = run(experts, h, ids, weights, monkeypatch, 1 << 30)
-    assert len(experts._dequantized) == 3 and torch.equal(cached, packed)
-    fill(experts, 2)  # new weights, same tensors
-    reloaded = run(experts, h, ids, weights, monkeypatch, 1 << 30)
+    dense = cpu_weights(experts)
+    assert all(isinstance(w, torch.Tensor) for w in dense) and torch.equal(cached, packed)
+    assert experts(h, ids, weights) is not None and cpu_weights(experts) is dense  # kept between calls
+    fill(experts, 2)  # new weights, same tensors: their version counters move
+    reloaded = experts(h, ids, weights)
+    assert cpu_weights(experts)[0] is not dense[0]
     assert torch.equal(reloaded, run(experts, h, ids, weights, monkeypatch, 0))
-    assert not torch.equal(reloaded, packed) and len(experts._dequantized) == 3
+    assert not torch.equal(reloaded, packed)
     bf16 = run(experts, h.bfloat16(), ids, weights, monkeypatch, 1 << 30)
     assert torch.equal(bf16, run(experts, h.bfloat16(), ids, weights, monkeypatch, 0))
+    assert set(experts._cpu_cache) == {torch.bfloat16}  # cleared by run(); one entry per activation dtype
+
+
+def test_replaced_weight_tensors_invalidate_the_copy(monkeypatch):
+    """A buffer replaced by a new tensor (not written in place) is noticed too."""
+    experts = LocalExperts(0, 2, 64, 32, "mxfp4", 4.0, 25.0, torch.float32)
+    fill(experts, 1)
+    h, ids, weights = torch.randn(3, 64), torch.tensor([[0, 1]] * 3), torch.rand(3, 2)
+    before = experts(h, ids, weights)
+    experts.w2_packed = experts.w2_packed.flip(0).clone()  # same version counter value, new tensor
+    experts.w2_scale = experts.w2_scale.flip(0).clone()
+    after = experts(h, ids, weights)
+    experts._cpu_cache.clear()
+    assert torch.equal(after, experts(h, ids, weights)) and not torch.equal(after, before)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
@@ -78,5 +100,5 @@ def test_every_expert_weights_follow_reloads(fmt, monkeypatch):
         load(seed)
         with torch.inference_mode():  # as the executors run: dequantised copies are inference tensors
             got = experts(h, ids, weights)
-        assert experts._fused is not None
+        assert experts._cpu_cache[torch.float32].fused is not None
         assert_close(f"every expert after load {seed}", grouped(), got, 1e-6)
