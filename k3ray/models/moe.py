@@ -60,9 +60,12 @@ class LocalExperts(nn.Module):
                 self.register_buffer(f"{name}_scale", torch.full((count, o, i // 32), 127, dtype=torch.uint8))
             else:
                 setattr(self, name, nn.Parameter(torch.empty(count, o, i, dtype=dtype)))
-        self._stored_names = [f"{n}_{part}" for n in ("w1", "w3", "w2") for part in ("packed", "scale")] \
-            if fmt == "mxfp4" else ["w1", "w3", "w2"]
-        self._cpu_cache: dict[torch.dtype, _CpuOperands] = {}
+        names = ("w1", "w3", "w2")
+        self._stored_names = [f"{n}_{part}" for n in names for part in ("packed", "scale")] if fmt == "mxfp4" \
+            else list(names)
+        self._cpu_cache: dict[torch.dtype, _CpuOperands] = {}  # all built from the weights _cpu_key names
+        self._cpu_key: tuple = ()
+        self._cpu_held: tuple[torch.Tensor, ...] = ()
 
     def weights(self, name: str):
         if self.fmt == "mxfp4":
@@ -79,16 +82,19 @@ class LocalExperts(nn.Module):
                            cpu.every_expert_weights)
 
     def _cpu_operands(self, dtype: torch.dtype) -> _CpuOperands:
-        """The CPU kernels' weights for activations of dtype, kept while the stored tensors and their
-        version counters last (loading new weights in place invalidates them). One check per call:
-        a per-layer call of a decode step is mostly such overhead."""
+        """The CPU kernels' weights for activations of dtype, kept while the stored tensors' memory
+        and version counters stay the same (loading new weights in place, replacing a tensor, or
+        Module.to swapping a parameter's data invalidates them). One check per call: a per-layer
+        call of a decode step is mostly such overhead."""
         table = self._buffers if self.fmt == "mxfp4" else self._parameters  # not nn.Module.__getattr__: ~us each
-        stored = tuple(table[name] for name in self._stored_names)
-        versions = tuple(-1 if t.is_inference() else t._version for t in stored)  # inference tensors have none
+        stored = [table[name] for name in self._stored_names]
+        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in stored)  # inference: no counter
+        if key != self._cpu_key:
+            # the memory the key names stays held, so no later tensor can be given its addresses
+            self._cpu_cache, self._cpu_key, self._cpu_held = {}, key, tuple(t.detach() for t in stored)
         entry = self._cpu_cache.get(dtype)
-        if entry is None or entry.versions != versions or any(a is not b for a, b in zip(entry.stored, stored)):
-            entry = _CpuOperands(stored, versions, self._cpu_weights(dtype), self.beta, self.linear_beta)
-            self._cpu_cache[dtype] = entry
+        if entry is None:
+            entry = self._cpu_cache[dtype] = _CpuOperands(self._cpu_weights(dtype), self.beta, self.linear_beta)
         return entry
 
     def _cpu_weights(self, dtype: torch.dtype) -> tuple:
@@ -108,9 +114,8 @@ class _CpuOperands:
     """One LocalExperts' CPU weights for one activation dtype and, built on first use, their
     every-expert fusion."""
 
-    def __init__(self, stored: tuple, versions: tuple, weights: tuple, beta: float, linear_beta: float):
-        self.stored, self.versions, self.weights = stored, versions, weights  # held: no address reuse
-        self.beta, self.linear_beta = beta, linear_beta
+    def __init__(self, weights: tuple, beta: float, linear_beta: float):
+        self.weights, self.beta, self.linear_beta = weights, beta, linear_beta
         self.fused: EveryExpertWeights | None = None
 
     def every_expert_weights(self) -> EveryExpertWeights:

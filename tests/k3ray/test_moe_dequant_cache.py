@@ -102,3 +102,25 @@ def test_every_expert_weights_follow_reloads(fmt, monkeypatch):
             got = experts(h, ids, weights)
         assert experts._cpu_cache[torch.float32].fused is not None
         assert_close(f"every expert after load {seed}", grouped(), got, 1e-6)
+
+
+def test_parameter_data_swapped_as_module_to_does_invalidates_the_fusion(monkeypatch):
+    """Module.to assigns a parameter's .data (same object, same version counter, new memory): the
+    every-expert operands built from the old values are not reused."""
+    monkeypatch.setattr(moe_cpu, "EVERY_EXPERT_MAX_MACS", 1 << 30)
+    experts = LocalExperts(0, 2, 64, 32, "bf16", 4.0, 25.0, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name in ("w1", "w3", "w2"):
+            getattr(experts, name).copy_(torch.randn(getattr(experts, name).shape, generator=gen))
+    h, ids, weights = torch.randn(3, 64, generator=gen), torch.tensor([[0, 1]] * 3), torch.rand(3, 2, generator=gen)
+    before = experts(h, ids, weights)
+    w1 = experts.w1
+    version = w1._version
+    w1.data = torch.randn(w1.shape, generator=gen)
+    assert experts.w1 is w1 and w1._version == version
+    after = experts(h, ids, weights)
+    experts._cpu_cache.clear()
+    assert torch.equal(after, experts(h, ids, weights)) and not torch.equal(after, before)
+    experts.double().float()  # new memory twice over, values kept
+    assert torch.equal(experts(h, ids, weights), after)
