@@ -15,6 +15,7 @@ from k3ray.models.norm import RMSNorm
 # CPU MXFP4 experts whose dequantised weights fit this keep them (exact), instead of dequantising
 # on every call, which dominated small CPU expert calls; K3-sized expert sets stay packed
 DEQUANTIZED_CACHE_BYTES = 64 << 20
+PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down: the order the expert kernels take them in
 
 
 class SituMLP(nn.Module):
@@ -60,9 +61,8 @@ class LocalExperts(nn.Module):
                 self.register_buffer(f"{name}_scale", torch.full((count, o, i // 32), 127, dtype=torch.uint8))
             else:
                 setattr(self, name, nn.Parameter(torch.empty(count, o, i, dtype=dtype)))
-        names = ("w1", "w3", "w2")
-        self._stored_names = [f"{n}_{part}" for n in names for part in ("packed", "scale")] if fmt == "mxfp4" \
-            else list(names)
+        self._stored_names = [f"{n}_{part}" for n in PROJECTIONS for part in ("packed", "scale")] \
+            if fmt == "mxfp4" else list(PROJECTIONS)
         self._cpu_cache: dict[torch.dtype, _CpuOperands] = {}  # all built from the weights _cpu_key names
         self._cpu_key: tuple = ()
         self._cpu_held: tuple[torch.Tensor, ...] = ()
@@ -75,7 +75,7 @@ class LocalExperts(nn.Module):
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """h [T, Dl] -> partial y [T, Dl] fp32 from the experts held here."""
         if h.device.type != "cpu":
-            w1, w3, w2 = (self.weights(name) for name in ("w1", "w3", "w2"))
+            w1, w3, w2 = (self.weights(name) for name in PROJECTIONS)
             return moe_experts(h, ids, weights, w1, w3, w2, self.beta, self.linear_beta, self.start)
         cpu = self._cpu_operands(h.dtype)
         return moe_experts(h, ids, weights, *cpu.weights, self.beta, self.linear_beta, self.start,
@@ -101,9 +101,9 @@ class LocalExperts(nn.Module):
         """(w1, w3, w2): MXFP4 as a dense [E, out, in] copy when small enough (exact), else packed;
         dense weights as stored."""
         if self.fmt != "mxfp4":
-            return tuple(self.weights(name) for name in ("w1", "w3", "w2"))
+            return tuple(self.weights(name) for name in PROJECTIONS)
         out = []
-        for name in ("w1", "w3", "w2"):
+        for name in PROJECTIONS:
             packed, scale = self.weights(name)
             small = packed.numel() * 2 * dtype.itemsize <= DEQUANTIZED_CACHE_BYTES
             out.append(dequantize_mxfp4(packed, scale, dtype) if small else (packed, scale))
