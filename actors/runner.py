@@ -23,8 +23,8 @@ from k3ray.actors.router import MoERouter
 from k3ray.actors.wire import unpack
 from k3ray.actors.stage import PipelineStage
 from k3ray.actors.vision_encoder import VisionEncoder
+from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
-from k3ray.plan import split_range
 from k3ray.vision import has_vision_weights
 
 

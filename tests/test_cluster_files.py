@@ -8,9 +8,9 @@ import pytest
 import ray
 import yaml
 
+from k3ray.capacity import PlanRequest, build_plan, problems
 from k3ray.cli import build_parser
 from k3ray.config import k3_config
-from k3ray.plan import PlanRequest, build_plan, problems
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from k3ray.plan import GIB, PlanRequest, plan
+    from k3ray.capacity import GIB, PlanRequest, plan
 
     req = PlanRequest(
         config=load_config(args.preset, args.path), device=args.device.upper() if args.device.lower() != "cpu" else "CPU",

@@ -1,9 +1,9 @@
 import pytest
 
+from k3ray.capacity import GIB, PlanRequest, build_plan, plan, problems
 from k3ray.cli import main as cli_main
 from k3ray.config import k3_config, k3_tiny_config
 from k3ray.info import summarize
-from k3ray.plan import GIB, PlanRequest, build_plan, plan, problems
 
 
 @pytest.mark.parametrize("cfg", [k3_config, k3_tiny_config])
