@@ -9,23 +9,16 @@ shapes match exactly.
 
 from __future__ import annotations
 
-import json
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
 from k3ray.config import ModelConfig
 from k3ray.models.init import build_model
 from k3ray.models.k3 import K3ForCausalLM
-from k3ray.weights.names import TensorRef, is_stacked, is_vision_name, model_tensor_refs, parse_checkpoint_name
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-_LISTED = 20  # names shown in an error message before "... and N more"
+from k3ray.weights.checkpoint_dir import check_keys, copy_from_shard, group_by_shard, open_weight_map, read_config
+from k3ray.weights.names import is_stacked, is_vision_name, model_tensor_refs, parse_checkpoint_name
 
 
 @dataclass(frozen=True)
@@ -35,30 +28,6 @@ class LoadReport:
     shards: tuple[str, ...]  # shard files opened
     skipped_vision: tuple[str, ...]  # vision tower / projector tensors: not part of the text model
     num_outside_slice: int  # tensors of layers or experts this model slice does not hold
-
-
-def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:_LISTED])
-    return shown + (f", ... and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
-
-
-def read_weight_map(path: str) -> dict[str, str]:
-    """Checkpoint tensor name -> shard file name (relative to `path`)."""
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            try:
-                weight_map = json.load(f).get("weight_map")
-            except (json.JSONDecodeError, AttributeError) as e:
-                raise ValueError(f"{index}: not a safetensors index ({e})") from e
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"{index}: `weight_map` must map tensor names to shard file names")
-        return weight_map
-    single = os.path.join(path, SINGLE_FILE)
-    if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
-            return {name: SINGLE_FILE for name in f.keys()}
-    raise ValueError(f"{path}: holds neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
 def _full_model_names(config: ModelConfig) -> frozenset[str]:
@@ -78,10 +47,7 @@ def _belongs_to_full_model(name: str, full_names: frozenset[str], num_experts: i
 
 def load_checkpoint(model: K3ForCausalLM, path: str | os.PathLike) -> LoadReport:
     """Fill every tensor of `model` (a whole model or a slice) from the checkpoint at `path`."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"checkpoint path {path!r} is not a directory")
-    weight_map = read_weight_map(path)
+    path, weight_map = open_weight_map(path)
     refs = model_tensor_refs(model, model.expert_range[0])
     held = {ref.checkpoint for ref in refs}
 
@@ -97,48 +63,22 @@ def load_checkpoint(model: K3ForCausalLM, path: str | os.PathLike) -> LoadReport
         else:
             unexpected.append(name)
     missing = [ref.checkpoint for ref in refs if ref.checkpoint not in weight_map]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing keys: {_listing(missing)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected keys (not tensors of this K3 config): {_listing(unexpected)}")
-    if problems:
-        raise ValueError(f"checkpoint {path} does not match the model: " + "; ".join(problems))
+    check_keys(path, "the model", missing, unexpected, unexpected_why=" (not tensors of this K3 config)")
 
-    by_shard: dict[str, list[TensorRef]] = defaultdict(list)
-    for ref in refs:
-        by_shard[weight_map[ref.checkpoint]].append(ref)
-    for shard in by_shard:
-        if not os.path.isfile(os.path.join(path, shard)):
-            raise ValueError(f"shard file {os.path.join(path, shard)} named in {INDEX_FILE} does not exist")
-
+    by_shard = group_by_shard(path, weight_map, refs, lambda ref: ref.checkpoint)
     state = model.state_dict()
-    loaded = []
-    with torch.no_grad():
-        for shard, shard_refs in by_shard.items():
-            loaded += _load_shard(os.path.join(path, shard), shard_refs, state)
-    return LoadReport(path, tuple(loaded), tuple(by_shard), tuple(vision), outside)
+    for shard, shard_refs in by_shard.items():
+        targets = [(ref.checkpoint, state[ref.param] if ref.local is None else state[ref.param][ref.local])
+                   for ref in shard_refs]
+        copy_from_shard(os.path.join(path, shard), targets, _check_packing)
+    loaded = tuple(ref.checkpoint for shard_refs in by_shard.values() for ref in shard_refs)
+    return LoadReport(path, loaded, tuple(by_shard), tuple(vision), outside)
 
 
-def _load_shard(file: str, refs: list[TensorRef], state: dict[str, torch.Tensor]) -> list[str]:
-    with safe_open(file, framework="pt") as f:
-        present = set(f.keys())
-        for ref in refs:
-            if ref.checkpoint not in present:
-                raise ValueError(f"{file} does not hold {ref.checkpoint}, which the index places there")
-            target = state[ref.param] if ref.local is None else state[ref.param][ref.local]
-            shape = tuple(f.get_slice(ref.checkpoint).get_shape())
-            if shape != tuple(target.shape):
-                raise ValueError(
-                    f"{ref.checkpoint}: checkpoint shape {list(shape)} != expected shape {list(target.shape)}"
-                )
-            tensor = f.get_tensor(ref.checkpoint)
-            if (tensor.dtype == torch.uint8) != (target.dtype == torch.uint8):
-                raise ValueError(
-                    f"{ref.checkpoint}: checkpoint dtype {tensor.dtype} cannot fill a {target.dtype} tensor"
-                )
-            target.copy_(tensor)
-    return [ref.checkpoint for ref in refs]
+def _check_packing(name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    # MXFP4 experts are stored packed in uint8; nothing else may be
+    if (tensor.dtype == torch.uint8) != (target.dtype == torch.uint8):
+        raise ValueError(f"{name}: checkpoint dtype {tensor.dtype} cannot fill a {target.dtype} tensor")
 
 
 def load_model(
@@ -149,10 +89,7 @@ def load_model(
 ) -> K3ForCausalLM:
     """Build the model (or slice) described by `path/config.json` and load its weights."""
     path = os.fspath(path)
-    config_file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_file):
-        raise ValueError(f"{config_file} does not exist")
-    config = ModelConfig.from_json_file(config_file)
+    config = read_config(path)
     model = build_model(config, dtype, seed=None, layer_range=layer_range, expert_range=expert_range)
     load_checkpoint(model, path)
     return model

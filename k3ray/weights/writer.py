@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from k3ray.models.k3 import K3ForCausalLM
-from k3ray.weights.loader import CONFIG_FILE, INDEX_FILE
+from k3ray.weights.checkpoint_dir import CONFIG_FILE, INDEX_FILE
 from k3ray.weights.names import is_vision_name, model_tensor_refs, published_dtype
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from k3ray.config import preset
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.init import build_model
-from k3ray.weights import loader as loader_module
 from k3ray.weights import (
+    checkpoint_dir,
     checkpoint_name,
     load_checkpoint,
     load_model,
@@ -265,7 +265,7 @@ def test_slice_reads_only_its_tensors(original, ckpt, tmp_path, monkeypatch):
         os.remove(path / shard)
 
     recorder = _RecordingOpen()
-    monkeypatch.setattr(loader_module, "safe_open", recorder)
+    monkeypatch.setattr(checkpoint_dir, "safe_open", recorder)
     report = load_checkpoint(part, path)
 
     assert sorted(recorder.read) == sorted(needed) == sorted(report.loaded)
