@@ -20,6 +20,7 @@ import torch
 
 from k3ray.bench.common import machine
 
+HELP = "decode local vs Ray actors, pipeline hop and MoE dispatch cost"
 BLOCK = 16
 
 

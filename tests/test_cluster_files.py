@@ -99,5 +99,5 @@ def test_ray_cluster_yaml_has_room_for_the_documented_layout():
 def test_job_entrypoint_parses_with_the_cli(source):
     argv = shlex.split(load(source)["spec"]["entrypoint"])
     assert argv[0] == "k3ray"
-    args = build_parser(argv[1]).parse_args(argv[1:])
+    args = build_parser(argv[1:]).parse_args(argv[1:])
     assert args.command == "eval"

@@ -26,6 +26,7 @@ from k3ray.evals.serve_bench import datasets, metrics
 from k3ray.evals.serve_bench.client import RequestResult, open_session, stream_completion
 from k3ray.evals.serve_bench.load import arrival_offsets, run_load
 
+HELP = "served TTFT / TPOT / ITL / throughput vs the in-process engine"
 LEVEL_KEYS = ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
               "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "request_goodput", "completed", "failed")
 

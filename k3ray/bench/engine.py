@@ -25,6 +25,7 @@ from k3ray.config import preset
 from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
 from k3ray.models.init import build_model
 
+HELP = "continuous batching, prefix caching, speculative decoding, long prompts"
 GIB = 1024**3
 PREFIX_REPEATS = 3  # medians over this many cold and warm prompts
 

@@ -19,6 +19,7 @@ import torch
 
 from k3ray.bench.common import machine, median_time
 
+HELP = "per-op kernel timings at K3 and tiny shapes"
 OP_MODULES = ("kda", "conv", "mla", "attn_res", "moe")
 # H200 SXM: HBM3e bandwidth and dense bf16 tensor-core peak
 H200_BYTES_PER_S = 4.8e12

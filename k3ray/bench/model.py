@@ -11,6 +11,7 @@ from k3ray.config import preset
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.init import build_model
 
+HELP = "tiny K3 model prefill / decode tokens/s on this machine"
 BLOCK = 64
 
 

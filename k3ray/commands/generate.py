@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+HELP = "generate text in this process from a checkpoint"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the tiny K3, made on first use)")

@@ -7,7 +7,8 @@ import json
 import os
 
 from k3ray.config import ModelConfig, preset
-from k3ray.info import sequence_memory, summarize
+
+HELP = "parameter counts and per-sequence memory of a preset or checkpoint"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +38,8 @@ def load_config(preset_name: str | None, path: str | None) -> ModelConfig:
 
 
 def main(args: argparse.Namespace) -> int:
+    from k3ray.info import sequence_memory, summarize  # torch: imported only when the command runs
+
     config = load_config(args.preset, args.path)
     s = summarize(config)
     ctx = args.context_len if args.context_len is not None else config.max_position_embeddings

@@ -7,6 +7,8 @@ import json
 
 from k3ray.commands.info import _parse_len, load_config
 
+HELP = "size a deployment: actor layout, devices and memory per actor"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()

@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 from k3ray.actors.runner import actor_bundles  # noqa: E402
 from k3ray.actors.serve_config import ServeArgs, deployment_options  # noqa: E402
 from k3ray.actors.serve_engine import engine_config  # noqa: E402
-from k3ray.commands import serve as serve_cmd  # noqa: E402
+from k3ray.actors import serve_cli as serve_cmd  # noqa: E402
 from k3ray.config import ModelConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -74,7 +74,7 @@ def test_bad_flags_fail_before_starting_anything():
 
 
 def test_command_module_does_not_import_ray():
-    code = "import sys, k3ray.commands.serve; assert 'ray' not in sys.modules, 'ray imported'"
+    code = "import sys, k3ray.actors.serve_cli; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -102,7 +102,7 @@ def serve_command(checkpoint: str, tmp_path, *flags: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "k3ray.commands.serve", "--model", checkpoint, "--port", str(port),
+    cmd = [sys.executable, "-m", "k3ray.actors.serve_cli", "--model", checkpoint, "--port", str(port),
            "--max-model-len", "128", "--cache-memory-mb", "16", "--num-cpus", "4", *flags]
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from k3ray.commands import eval as eval_cli
+from k3ray.evals import cli as eval_cli
 
 
 def _main(*argv):

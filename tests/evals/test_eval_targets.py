@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from k3ray.commands import eval as eval_cli
+from k3ray.evals import cli as eval_cli
 from k3ray.evals.openai_target import EndpointError, OpenAITarget
 from k3ray.evals.oracle import OracleTarget
 from k3ray.evals.runner import RunConfig, run_eval

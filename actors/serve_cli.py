@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+HELP = "serve a checkpoint with an OpenAI-compatible API on Ray Serve"
 # ServeArgs fields set from flags of the same name (None = ServeArgs' default)
 APP_FLAGS = (
     "model", "served_model_name", "dtype", "pipeline", "expert_parallel", "replica_cpus", "stage_cpus",
@@ -133,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m k3ray.commands.serve ...`, the same as `k3ray serve ...`
+if __name__ == "__main__":  # `python -m k3ray.actors.serve_cli ...`, the same as `k3ray serve ...`
     parser = argparse.ArgumentParser(prog="k3ray serve", description=__doc__)
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

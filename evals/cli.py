@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 
+HELP = "long-context and multimodal evals against an endpoint or engine"
 SUITE_HELP = {
     "niah": "needle in a haystack over a context-length x needle-depth grid (gkamradt style)",
     "ruler": "RULER-style synthetic tasks: niah variants, variable tracking, common and frequent words",
