@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import time
+from importlib import metadata
 from typing import Any, Callable
 
 
@@ -20,12 +21,15 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
-    for pkg in ("triton", "ray"):
-        try:
-            info[pkg] = __import__(pkg).__version__
-        except ImportError:
-            info[pkg] = None
+    info["triton"], info["ray"] = _version("triton"), _version("ray")  # metadata: the core never imports ray
     return info
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu_model() -> str:
