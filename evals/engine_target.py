@@ -7,7 +7,8 @@ OpenAI server gives for the same checkpoint, without HTTP.
 Text prompts are encoded as the server's /tokenize and /v1/completions encode them (special-token
 strings become special ids); chat prompts go through the tokenizer's chat template with a
 generation prompt, as /v1/chat/completions does. Calls from several threads share the engine:
-each waiting caller steps it in turn, so concurrent cells are batched together.
+each waiting caller steps it in turn, so concurrent cells are batched together; a step that fails
+fails every call in it with the cause.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from k3ray.engine.llm import LLM
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.evals.target import Prompt
 from k3ray.sampling_params import SamplingParams
 
@@ -43,6 +45,7 @@ class EngineTarget:
         self.name = name or f"engine:{llm_engine.model_config.name}"
         self._lock = threading.Lock()
         self._finished: dict[str, RequestOutput] = {}
+        self._failed: dict[str, Exception] = {}  # requests a failed step took down -> its error
         self._ids = itertools.count()
 
     def __reduce__(self):
@@ -87,11 +90,11 @@ class EngineTarget:
             with self._lock:
                 if request_id in self._finished:
                     return self._finished.pop(request_id)
-                try:
-                    outputs = self.engine.step()
-                except BaseException:
-                    self.engine.abort_request(request_id)
-                    raise
-                for out in outputs:
+                if request_id in self._failed:
+                    raise self._failed.pop(request_id)
+                step = step_or_abort(self.engine)
+                for out in step.outputs:
                     if out.finished:
                         self._finished[out.request_id] = out
+                for failed_id in step.aborted:
+                    self._failed[failed_id] = step.error

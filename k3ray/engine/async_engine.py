@@ -21,6 +21,7 @@ from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.outputs import RequestOutput, follow
 from k3ray.engine.sequence import Request
 from k3ray.engine.stats import EngineStats
+from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.sampling_params import SamplingParams
 from k3ray.vision import ProcessedMedia
 
@@ -115,13 +116,9 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            try:
-                outputs = await asyncio.to_thread(self.engine.step)
-            except Exception as e:  # the step was rolled back; fail every stream with the cause
-                for request_id in list(self._streams):
-                    self.engine.abort_request(request_id)
-                    self._streams.pop(request_id).put_nowait(e)
-                continue
-            for out in outputs:
+            step = await asyncio.to_thread(step_or_abort, self.engine)
+            for request_id in step.aborted:  # the step failed: its requests' streams end with the cause
+                self._streams.pop(request_id).put_nowait(step.error)
+            for out in step.outputs:
                 self._deliver(out)
             await asyncio.sleep(0)

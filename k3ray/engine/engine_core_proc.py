@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.output_delta import DeltaEncoder
+from k3ray.engine.step_or_abort import step_or_abort
 
 
 def send(conn: Connection, message) -> None:
@@ -65,12 +66,11 @@ def serve_engine(engine, conn: Connection) -> None:
         except (EOFError, OSError):
             return
         if engine.has_unfinished_requests():
-            try:
-                outputs.extend(engine.step())
-            except Exception as e:  # noqa: BLE001 - the step was rolled back; fail every request with the cause
-                error = portable(e)
-                for request_id in list(engine.requests):
-                    engine.abort_request(request_id)
+            step = step_or_abort(engine)
+            outputs.extend(step.outputs)
+            if step.aborted:  # the step failed: every request it took down fails with the cause
+                error = portable(step.error)
+                for request_id in step.aborted:
                     encoder.forget(request_id)
                     errors.append((request_id, error))
         if outputs or errors:

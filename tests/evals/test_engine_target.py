@@ -63,6 +63,24 @@ def test_threads_share_one_engine_and_get_their_own_answers(target):
     assert not target.engine.has_unfinished_requests()
 
 
+def test_a_failed_step_fails_every_request_in_it_and_the_target_goes_on(target, monkeypatch):
+    alone = target.complete(PROMPTS[0], MAX_TOKENS)
+    executor = target.engine.executor
+    execute, failures = executor.execute, [RuntimeError("device lost")]
+
+    def execute_failing_once(plan):
+        if failures:
+            raise failures.pop()
+        return execute(plan)
+
+    monkeypatch.setattr(executor, "execute", execute_failing_once)
+    target.engine.add_request("another-caller", target.tokenize(PROMPTS[1]))  # batched with the call below
+    with pytest.raises(RuntimeError, match="device lost"):
+        target.complete(PROMPTS[0], MAX_TOKENS)
+    assert not target.engine.has_unfinished_requests()
+    assert target.complete(PROMPTS[0], MAX_TOKENS) == alone
+
+
 def test_chat_prompts_use_the_chat_template(target, llm, k3):
     messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     expected = llm.tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, messages[1]],

@@ -8,6 +8,7 @@ import torch
 from k3ray.config import preset
 from k3ray.engine import (LLM, AsyncEngine, EngineConfig, LLMEngine, LocalExecutor, SamplingParams,
                           SpeculativeConfig)
+from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.models.init import build_model
 
 MICRO = preset("k3-micro")
@@ -147,3 +148,52 @@ def test_async_bad_request_raises_while_a_good_stream_completes(model):
 
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == reference
+
+
+def engine_failing_once(model, monkeypatch):
+    """A real engine whose first forward raises before it touches the caches (a lost device)."""
+    engine = make_engine(model)
+    execute, failures = engine.executor.execute, [RuntimeError("device lost")]
+
+    def failing_execute(plan):
+        if failures:
+            raise failures.pop()
+        return execute(plan)
+
+    monkeypatch.setattr(engine.executor, "execute", failing_execute)
+    return engine
+
+
+def test_a_failed_step_aborts_every_request_with_the_cause_and_the_engine_goes_on(model, monkeypatch):
+    reference = LLM(model, num_blocks=16, block_size=8).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+    engine = engine_failing_once(model, monkeypatch)
+    engine.add_request("a", PROMPT, GREEDY)
+    engine.add_request("b", PROMPT[:3], GREEDY)
+    failed = step_or_abort(engine)
+    assert failed.outputs == [] and failed.aborted == ("a", "b") and str(failed.error) == "device lost"
+    assert not engine.has_unfinished_requests() and engine.cache.usage()["blocks_used"] == 0
+    engine.add_request("c", PROMPT, GREEDY)
+    finals = []
+    while engine.has_unfinished_requests():
+        step = step_or_abort(engine)
+        assert step.aborted == () and step.error is None
+        finals += [out for out in step.outputs if out.finished]
+    assert [out.outputs[0].token_ids for out in finals] == [reference]
+
+
+def test_async_failed_step_ends_every_stream_with_the_cause(model, monkeypatch):
+    async def main():
+        engine = AsyncEngine(engine_failing_once(model, monkeypatch))
+
+        async def collect(request_id):
+            return [out async for out in engine.generate(PROMPT, GREEDY, request_id)]
+
+        results = await asyncio.gather(collect("a"), collect("b"), return_exceptions=True)
+        after = await collect("c")
+        await engine.shutdown()
+        return results, after
+
+    results, after = asyncio.run(main())
+    assert [str(r) for r in results] == ["device lost", "device lost"]
+    assert all(isinstance(r, RuntimeError) for r in results)
+    assert after[-1].finished and len(after[-1].outputs[0].token_ids) == GREEDY.max_tokens
