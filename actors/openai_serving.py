@@ -28,7 +28,7 @@ from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
 from k3ray.engine.outputs import RequestOutput
 from k3ray.sampling_params import SamplingParams
-from k3ray.tokenizer.chat import MEDIA_PART_KINDS
+from k3ray.tokenizer.chat import MEDIA_PART_KINDS, normalize_chat_role
 from k3ray.vision import ProcessedMedia, expand_placeholders
 
 MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n
@@ -119,9 +119,7 @@ class OpenAIServing:
                   continue_final_message: bool) -> tuple[list[dict], list[int]]:
         dicts = []
         for i, message in enumerate(messages):
-            d = message.model_dump(exclude_none=True)
-            if d.get("role") == "developer":  # OpenAI's newer name for the system role
-                d["role"] = "system"
+            d = normalize_chat_role(message.model_dump(exclude_none=True))
             for j, part in enumerate(d.get("content") if isinstance(d.get("content"), list) else []):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind in AUDIO_PART_TYPES or (kind in MEDIA_PART_KINDS and not self.info.supports_media):

@@ -23,6 +23,7 @@ from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.evals.target import Prompt
 from k3ray.sampling_params import SamplingParams
+from k3ray.tokenizer.chat import normalize_chat_role
 
 MEDIA_PART_TYPES = ("image_url", "video_url", "input_audio", "audio_url")
 
@@ -63,9 +64,7 @@ class EngineTarget:
             return self.tokenize(prompt)
         messages = []
         for i, message in enumerate(prompt):
-            message = dict(message)
-            if message.get("role") == "developer":
-                message["role"] = "system"
+            message = normalize_chat_role(message)
             content = message.get("content")
             for part in content if isinstance(content, list) else []:
                 if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:

@@ -24,7 +24,7 @@ Tokenizers pass `<|media_begin|>` / `<|media_pad|>` instead when their vocabular
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from k3ray.tokenizer import special as sp
@@ -72,6 +72,15 @@ def render_chat(
     if add_generation_prompt and not continue_final_message:
         out += _header(sp.IM_ASSISTANT, "assistant")
     return [segment for segment in out if segment.text]
+
+
+def normalize_chat_role(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of an OpenAI chat message with a role the template knows: `developer` (OpenAI's newer
+    name for the system role) becomes `system`."""
+    message = dict(message)
+    if message.get("role") == "developer":
+        message["role"] = "system"
+    return message
 
 
 def collect_media(messages: Sequence[dict]) -> list[MediaItem]:
