@@ -101,8 +101,10 @@ def _evaluate_shard(shard, target: Target, seed: int, reserve_generation: bool) 
 def _on_ray(jobs, target: Target, config: RunConfig) -> Iterator[dict[str, Any]]:
     import ray
 
+    from k3ray.actors.ray_connect import connect  # ray.init off the repository root
+
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"))
+        connect(address=os.environ.get("RAY_ADDRESS"))
     # a cell mostly waits on the endpoint, so two share a CPU
     remote = ray.remote(num_cpus=0.5)(_evaluate_shard)
     target_ref = ray.put(target)

@@ -1,4 +1,4 @@
-"""The package-dir mapping (kernels/ -> k3ray.kernels, ...) survives a real wheel build."""
+"""The package-dir mapping (kernels/ -> k3ray.kernels, ...) survives a real wheel build, and the\nentry points the CLI finds its subcommands through name modules that exist."""
 
 import os
 import pathlib
@@ -29,28 +29,16 @@ def test_every_package_folder_is_listed():
     for name, folder in MAPPED.items():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
-            if "__pycache__" in rel.parts or (name == "k3ray" and rel.parts and rel.parts[0] in ("kernels", "actors", "evals")):
-                continue  # reached through the source-tree links
+            if "__pycache__" in rel.parts:
+                continue
             found.add(".".join([name, *rel.parts]) if rel.parts else name)
     assert sorted(found) == sorted(packages)
 
 
-def test_source_tree_links_resolve_to_the_mapped_folders():
-    """k3ray/kernels -> ../kernels (and actors, evals): a process whose sys.path starts at the
-    repository root (python -c, Ray workers, which get the driver's cwd) still finds k3ray.kernels."""
+def test_no_links_stand_in_for_the_mapping():
+    """package-dir is the one mechanism: a link inside k3ray/ would load kernels twice under two names."""
     for mapped in ("kernels", "actors", "evals"):
-        link = ROOT / "k3ray" / mapped
-        assert link.is_symlink() and link.resolve() == (ROOT / mapped).resolve()
-
-
-def test_repo_root_on_sys_path_imports_the_same_files():
-    script = (
-        "import k3ray.kernels.kda.naive as n, k3ray.actors, k3ray.evals\n"
-        "print(n.__file__)\n"
-    )
-    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert pathlib.Path(res.stdout.split()[-1]).resolve() == (ROOT / "kernels" / "kda" / "naive.py").resolve()
+        assert not (ROOT / "k3ray" / mapped).exists(), f"k3ray/{mapped} exists beside the package-dir mapping"
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +78,18 @@ def test_every_module_imports_from_the_installed_wheel(wheel, tmp_path):
     res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert int(res.stdout.split()[-1]) > 20
+
+
+def test_every_entry_point_names_a_command_module():
+    from importlib.metadata import entry_points
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert set(project) == {"k3ray.commands", "k3ray.benchmarks"}
+    for group, declared_points in project.items():
+        installed = {ep.name: ep.value for ep in entry_points(group=group)}
+        assert installed == declared_points, f"{group}: reinstall k3ray (pip install -e .) after editing pyproject"
+        for ep in entry_points(group=group):
+            module = ep.load()
+            assert isinstance(module.HELP, str), ep
+            assert callable(getattr(module, "add_arguments", None)) or module.SUBCOMMANDS in project, ep
+            assert callable(getattr(module, "run" if group == "k3ray.benchmarks" else "main")), ep

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
+from k3ray.actors.ray_connect import connect  # noqa: E402  ray.init off the repository root
 
 pytestmark = pytest.mark.timeout(600)
 MODEL_ACTORS = {"PipelineStage": 1, "MoERouter": 1, "ExpertShard": 2}  # per replica (expert_parallel=2)
@@ -50,7 +51,7 @@ def cluster(tiny_checkpoint):
         leftover = alive_actors(gcs)
         ray.shutdown()
         if previous is not None:
-            ray.init(address=previous, log_to_driver=False)
+            connect(address=previous, log_to_driver=False)
     assert not any(leftover[name] for name in [REPLICA, *MODEL_ACTORS]), leftover
 
 

@@ -8,6 +8,7 @@ from k3ray.evals.oracle import OracleTarget
 from k3ray.evals.runner import RunConfig, run_eval
 
 ray = pytest.importorskip("ray")
+from k3ray.actors.ray_connect import connect  # noqa: E402  ray.init off the repository root
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,7 @@ def local_ray():
         yield
         return
     # a fresh single-node instance, never a cluster some other process started on this machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    connect(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -130,7 +130,8 @@ def test_bench_serve_end_to_end_emits_every_key(tmp_path):
             "--request-rate", "50", "--burstiness", "0.5", "--goodput", "ttft:600000", "tpot:600000",
             "--save-detailed", "--json", str(out)]
     # its own process: the benchmark starts (and stops) a private Ray + Serve, whatever this session runs
-    run = subprocess.run([sys.executable, "-m", "k3ray.cli", *argv], capture_output=True, text=True, timeout=540)
+    run = subprocess.run([sys.executable, "-m", "k3ray.cli", *argv], capture_output=True, text=True, timeout=540,
+                         cwd=tmp_path)  # off the repository root: python -m puts the cwd first on sys.path
     assert run.returncode == 0, run.stderr[-3000:]
     assert "served_vs_engine_tok_s" in run.stdout
     result = json.loads(out.read_text())
