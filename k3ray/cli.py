@@ -50,8 +50,18 @@ def add_subcommands(parser: argparse.ArgumentParser, group: str, argv: list[str]
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3ray", description="Serve and evaluate Kimi K3 on Ray.")
+    parser.add_argument("--version", action="version", version=f"k3ray {_installed_version()}")
     add_subcommands(parser, COMMANDS_GROUP, argv)
     return parser
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("k3ray")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
