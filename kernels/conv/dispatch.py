@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from k3ray.kernels.conv.causal_conv1d import causal_conv1d_spec_triton, causal_conv1d_triton
-from k3ray.kernels.conv.conv_cpu import causal_conv1d_cpu, causal_conv1d_spec_cpu
-from k3ray.kernels.kda.varlen import check_cu_seqlens, check_slots_cover
+from k3ray.kernels.conv.causal_conv1d_cpu import causal_conv1d_cpu, causal_conv1d_spec_cpu
+from k3ray.kernels.conv.causal_conv1d_triton import causal_conv1d_spec_triton, causal_conv1d_triton
+from k3ray.kernels.kda.varlen import check_cu_seqlens, check_spec_slots
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None, state_name: str) -> None:
@@ -45,13 +45,7 @@ def causal_conv1d_spec(
     state_pool[initial_slots[i]] (zeros if < 0) and leaves the window after its token j in
     state_pool[out_slots[i, j]] (skipped if < 0). No out slot may be another sequence's initial slot."""
     _check(x, weight, state_pool, "state_pool")
-    check_cu_seqlens(cu_seqlens, x.shape[0])
-    N = cu_seqlens.numel() - 1
-    if initial_slots.shape != (N,):
-        raise ValueError(f"initial_slots must be [{N}], got {list(initial_slots.shape)}")
-    if out_slots.dim() != 2 or out_slots.shape[0] != N:
-        raise ValueError(f"out_slots must be [{N}, max q_len], got {list(out_slots.shape)}")
-    check_slots_cover(cu_seqlens, out_slots)
+    check_spec_slots(cu_seqlens, x.shape[0], initial_slots, out_slots)
     if x.is_cuda:
         return causal_conv1d_spec_triton(x, weight, cu_seqlens, state_pool, initial_slots, out_slots)
     return causal_conv1d_spec_cpu(x, weight, cu_seqlens, state_pool, initial_slots, out_slots)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from k3ray.kernels.kda.chunk import chunk_kda_triton
 from k3ray.kernels.kda.chunk_cpu import chunk_kda_cpu
-from k3ray.kernels.kda.fused_recurrent import fused_recurrent_kda_triton
-from k3ray.kernels.kda.recurrent_cpu import fused_recurrent_kda_cpu
-from k3ray.kernels.kda.varlen import check_cu_seqlens, check_slots_cover
+from k3ray.kernels.kda.chunk_triton import chunk_kda_triton
+from k3ray.kernels.kda.fused_recurrent_cpu import fused_recurrent_kda_cpu
+from k3ray.kernels.kda.fused_recurrent_triton import fused_recurrent_kda_triton
+from k3ray.kernels.kda.varlen import check_cu_seqlens, check_spec_slots
 
 
 def _check_inputs(q, k, v, g, beta) -> None:
@@ -94,12 +94,6 @@ def fused_recurrent_kda_spec(
     another sequence's initial slot."""
     _check_inputs(q, k, v, g, beta)
     _check_pool(state_pool, q, v)
-    check_cu_seqlens(cu_seqlens, q.shape[0])
-    N = cu_seqlens.numel() - 1
-    if initial_slots.shape != (N,):
-        raise ValueError(f"initial_slots must be [{N}], got {list(initial_slots.shape)}")
-    if out_slots.dim() != 2 or out_slots.shape[0] != N:
-        raise ValueError(f"out_slots must be [{N}, max q_len], got {list(out_slots.shape)}")
-    check_slots_cover(cu_seqlens, out_slots)
+    check_spec_slots(cu_seqlens, q.shape[0], initial_slots, out_slots)
     impl = fused_recurrent_kda_triton if q.is_cuda else fused_recurrent_kda_cpu
     return impl(q, k, v, g, beta, scale, state_pool, initial_slots, cu_seqlens, out_slots)

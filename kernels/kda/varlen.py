@@ -60,8 +60,18 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
         raise ValueError("cu_seqlens must be non-decreasing")
 
 
-def check_slots_cover(cu_seqlens: torch.Tensor, out_slots: torch.Tensor) -> None:
-    """ValueError unless out_slots [N, Q] has a column for every token of the longest sequence."""
+def check_spec_slots(
+    cu_seqlens: torch.Tensor, num_tokens: int, initial_slots: torch.Tensor, out_slots: torch.Tensor
+) -> None:
+    """The speculative-verification layout: check_cu_seqlens, then ValueError unless initial_slots
+    is [N] and out_slots [N, Q] has a column for every token of the longest sequence (that count is
+    checked for CPU tensors only)."""
+    check_cu_seqlens(cu_seqlens, num_tokens)
+    N = cu_seqlens.numel() - 1
+    if initial_slots.shape != (N,):
+        raise ValueError(f"initial_slots must be [{N}], got {list(initial_slots.shape)}")
+    if out_slots.dim() != 2 or out_slots.shape[0] != N:
+        raise ValueError(f"out_slots must be [{N}, max q_len], got {list(out_slots.shape)}")
     if cu_seqlens.is_cuda or cu_seqlens.numel() < 2:
         return
     max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

@@ -1,16 +1,15 @@
 """MLA attention entry points (NoPE, one shared latent KV head of width L + R): Triton on CUDA
-tensors, the vectorised PyTorch path on CPU tensors. The references are in naive.py."""
+tensors, the vectorised PyTorch paths on CPU tensors (`*_triton.py`, `*_cpu.py`). The
+references are in naive.py."""
 
 from __future__ import annotations
 
 import torch
 
-from k3ray.kernels.mla.cpu import (
-    mla_decode_cpu,
-    mla_prefill_cpu,
-    mla_prefill_paged_chunked,
-    mla_prefill_paged_cpu,
-)
+from k3ray.kernels.mla.decode_cpu import mla_decode_cpu
+from k3ray.kernels.mla.prefill_cpu import mla_prefill_cpu
+from k3ray.kernels.mla.prefill_paged_chunked import mla_prefill_paged_chunked
+from k3ray.kernels.mla.prefill_paged_cpu import mla_prefill_paged_cpu
 
 
 def mla_prefill(
@@ -34,7 +33,7 @@ def mla_prefill(
             f"and {list(cu_seqlens_k.shape)}"
         )
     if q.is_cuda:
-        from k3ray.kernels.mla.prefill import mla_prefill_triton
+        from k3ray.kernels.mla.prefill_triton import mla_prefill_triton
 
         return mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     return mla_prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
@@ -66,7 +65,7 @@ def mla_decode(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if q_latent.is_cuda:
-        from k3ray.kernels.mla.decode import mla_decode_triton
+        from k3ray.kernels.mla.decode_triton import mla_decode_triton
 
         return mla_decode_triton(q_latent, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
     return mla_decode_cpu(q_latent, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from k3ray.kernels.attn_res import attn_res, attn_res_rmsnorm
-from k3ray.kernels.attn_res.cpu import attn_res_rmsnorm_cpu
-from k3ray.kernels.attn_res.fused import attn_res_rmsnorm_triton
+from k3ray.kernels.attn_res.attn_res_cpu import attn_res_rmsnorm_cpu
+from k3ray.kernels.attn_res.attn_res_triton import attn_res_rmsnorm_triton
 from k3ray.kernels.attn_res.naive import naive_attn_res, naive_attn_res_rmsnorm
 from k3ray.testing import assert_close
 

@@ -13,8 +13,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from k3ray.kernels.conv import causal_conv1d, causal_conv1d_spec, causal_conv1d_update
-from k3ray.kernels.conv.causal_conv1d import causal_conv1d_fwd_kernel, causal_conv1d_spec_triton, causal_conv1d_triton
-from k3ray.kernels.conv.conv_cpu import causal_conv1d_cpu, causal_conv1d_spec_cpu
+from k3ray.kernels.conv.causal_conv1d_cpu import causal_conv1d_cpu, causal_conv1d_spec_cpu
+from k3ray.kernels.conv.causal_conv1d_triton import causal_conv1d_fwd_kernel, causal_conv1d_spec_triton, causal_conv1d_triton
 from k3ray.kernels.conv.naive import naive_causal_conv1d, naive_causal_conv1d_spec
 from k3ray.testing import assert_close
 

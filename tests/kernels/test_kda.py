@@ -12,13 +12,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from k3ray.kernels.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_spec
-from k3ray.kernels.kda.chunk import INTRA, OUTPUT, STATE, chunk_kda_triton
 from k3ray.kernels.kda.chunk_cpu import chunk_kda_cpu, safe_subchunk
-from k3ray.kernels.kda.chunk_inter import chunk_kda_fwd_kernel_o, chunk_kda_fwd_kernel_state
-from k3ray.kernels.kda.chunk_intra import chunk_kda_fwd_kernel_intra
-from k3ray.kernels.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel, fused_recurrent_kda_triton
+from k3ray.kernels.kda.chunk_inter_triton import chunk_kda_fwd_kernel_o, chunk_kda_fwd_kernel_state
+from k3ray.kernels.kda.chunk_intra_triton import chunk_kda_fwd_kernel_intra
+from k3ray.kernels.kda.chunk_triton import INTRA, OUTPUT, STATE, chunk_kda_triton
+from k3ray.kernels.kda.fused_recurrent_cpu import fused_recurrent_kda_cpu
+from k3ray.kernels.kda.fused_recurrent_triton import fused_recurrent_kda_fwd_kernel, fused_recurrent_kda_triton
 from k3ray.kernels.kda.naive import kda_gate, l2norm, naive_chunk_kda, naive_recurrent_kda, naive_recurrent_kda_spec
-from k3ray.kernels.kda.recurrent_cpu import fused_recurrent_kda_cpu
 from k3ray.testing import assert_close
 
 # fp32 throughout on both sides; only the summation order (chunked vs recurrent) differs
@@ -173,7 +173,7 @@ def _compile_sm90(kernel, pointers: dict[str, str], scalars: dict[str, str], con
 
 
 def compile_kernels_for_sm90() -> None:
-    """Every KDA kernel at K3's head shape with the launch settings chunk.py uses (run without
+    """Every KDA kernel at K3's head shape with the launch settings chunk_triton.py uses (run without
     TRITON_INTERPRET: the interpreter patches triton.language and breaks real compiles)."""
     bf16, f32, i64 = "bf16", "fp32", "i64"
     k3 = dict(H=96, K=128, V=128)

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from k3ray.kernels.mla import mla_decode, mla_prefill
-from k3ray.kernels.mla.cpu import mla_decode_cpu, mla_prefill_cpu, prefill_groups
-from k3ray.kernels.mla.decode import mla_decode_triton
+from k3ray.kernels.mla.decode_cpu import mla_decode_cpu
+from k3ray.kernels.mla.decode_triton import mla_decode_triton
 from k3ray.kernels.mla.naive import naive_mla_attention, naive_paged_mla_decode
-from k3ray.kernels.mla.prefill import mla_prefill_triton
+from k3ray.kernels.mla.prefill_cpu import mla_prefill_cpu, prefill_groups
+from k3ray.kernels.mla.prefill_triton import mla_prefill_triton
 from k3ray.testing import assert_close
 
 POISON = 1e30

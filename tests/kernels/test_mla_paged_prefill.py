@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from k3ray.kernels.mla import mla_prefill_paged
-from k3ray.kernels.mla.cpu import mla_prefill_paged_chunked, mla_prefill_paged_cpu
 from k3ray.kernels.mla.naive import absorbed_mla_attention
+from k3ray.kernels.mla.prefill_paged_chunked import mla_prefill_paged_chunked
+from k3ray.kernels.mla.prefill_paged_cpu import mla_prefill_paged_cpu
 
 
 @pytest.mark.parametrize("prior, tq, chunk", [(0, 7, 3), (13, 5, 4), (29, 1, 8), (40, 17, 1000)])

@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from k3ray.kernels.kda.chunk_intra_triton import chunk_rows
+
 
 @triton.jit
 def chunk_kda_fwd_kernel_state(
@@ -54,14 +56,7 @@ def chunk_kda_fwd_kernel_o(
     DOT: tl.constexpr,
 ):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    o_t = tl.arange(0, BT)
-    m_t = t0 + o_t < eos
-    rows = (t0 + o_t) * H + i_h
+    o_t, m_t, rows, _ = chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]

@@ -7,8 +7,8 @@ import torch
 import triton
 
 from k3ray.kernels.kda.chunk_cpu import safe_subchunk
-from k3ray.kernels.kda.chunk_inter import chunk_kda_fwd_kernel_o, chunk_kda_fwd_kernel_state
-from k3ray.kernels.kda.chunk_intra import chunk_kda_fwd_kernel_intra
+from k3ray.kernels.kda.chunk_inter_triton import chunk_kda_fwd_kernel_o, chunk_kda_fwd_kernel_state
+from k3ray.kernels.kda.chunk_intra_triton import chunk_kda_fwd_kernel_intra
 from k3ray.kernels.kda.varlen import chunk_layout
 
 # tf32x3 keeps fp32 accuracy on tensor cores; launch settings were picked from ptxas

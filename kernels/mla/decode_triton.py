@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3ray.kernels.mla.triton_utils import dot_args, pow2_at_least
+from k3ray.kernels.mla.launch_triton import dot_args, pow2_at_least
 
 BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows)
 BLOCK_N = 32  # context tokens per inner step

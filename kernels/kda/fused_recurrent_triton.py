@@ -54,7 +54,7 @@ def fused_recurrent_kda_triton(
     cu_seqlens: torch.Tensor,
     out_slots: torch.Tensor,
 ) -> torch.Tensor:
-    """Same contract as recurrent_cpu.fused_recurrent_kda_cpu -> o [T, H, V] in v's dtype."""
+    """Same contract as fused_recurrent_cpu.fused_recurrent_kda_cpu -> o [T, H, V] in v's dtype."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     T, H, K = q.shape
     V = v.shape[-1]

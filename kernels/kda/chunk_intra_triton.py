@@ -12,20 +12,26 @@ import triton.language as tl
 
 
 @triton.jit
-def chunk_kda_fwd_kernel_intra(
-    q, k, v, g, beta, G_out, W_out, U_out, Aqk_out, cu_seqlens, chunk_indices, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
-):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+def chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H: tl.constexpr, BT: tl.constexpr):
+    """Packed chunk i_c at head i_h -> (offsets o_t [BT], mask m_t [BT] of real tokens, row offsets
+    into [T, H, *] [BT], tokens left in the sequence from the chunk's start)."""
     i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
     i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     t0 = bos + i_t * BT
     o_t = tl.arange(0, BT)
-    m_t = t0 + o_t < eos
-    rows = (t0 + o_t) * H + i_h  # [BT] row offsets into [T, H, *]
+    return o_t, t0 + o_t < eos, (t0 + o_t) * H + i_h, eos - t0
+
+
+@triton.jit
+def chunk_kda_fwd_kernel_intra(
+    q, k, v, g, beta, G_out, W_out, U_out, Aqk_out, cu_seqlens, chunk_indices, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    o_t, m_t, rows, left = chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
     b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
 
     b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -54,7 +60,7 @@ def chunk_kda_fwd_kernel_intra(
 
     # forward substitution: X = (I + L)^-1 - I, row i = -L[i] - L[i] X
     b_X = tl.zeros([BT, BT], dtype=tl.float32)
-    for i in range(1, tl.minimum(eos - t0, BT)):
+    for i in range(1, tl.minimum(left, BT)):
         b_a = -tl.sum(tl.where((o_t == i)[:, None], b_L, 0.0), 0)
         b_x = b_a + tl.sum(b_a[:, None] * b_X, 0)
         b_X = tl.where((o_t == i)[:, None], b_x[None, :], b_X)

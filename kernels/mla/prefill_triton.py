@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3ray.kernels.mla.triton_utils import MIN_DOT, dot_args, pow2_at_least
+from k3ray.kernels.mla.launch_triton import MIN_DOT, dot_args, pow2_at_least
 
 BLOCK_M = 64
 BLOCK_N = 64

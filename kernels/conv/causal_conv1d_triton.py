@@ -133,7 +133,7 @@ def causal_conv1d_spec_triton(
     initial_slots: torch.Tensor,
     out_slots: torch.Tensor,
 ) -> torch.Tensor:
-    """Per-token windows into state_pool [S, D, W - 1] (see conv_cpu.causal_conv1d_spec_cpu) -> y."""
+    """Per-token windows into state_pool [S, D, W - 1] (see causal_conv1d_cpu.causal_conv1d_spec_cpu) -> y."""
     x, weight = x.contiguous(), weight.contiguous()
     cu = cu_seqlens.to(device=x.device, dtype=torch.long)
     y = torch.empty_like(x)
