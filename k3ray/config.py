@@ -177,52 +177,22 @@ class ModelConfig:
         text = {
             "model_type": "kimi_linear",
             "architectures": ["KimiLinearForCausalLM"],
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": False,
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "situ",
-            "activation_situ_beta": self.situ_beta,
-            "activation_situ_linear_beta": self.situ_linear_beta,
-            "intermediate_size": self.intermediate_size,
-            "first_k_dense_replace": self.first_k_dense_replace,
-            "moe_layer_freq": 1,
-            "attn_res_block_size": self.attn_res_block_size,
-            "num_attention_heads": self.mla_num_heads,
+            **_fields_to_hf(self, _TEXT_FIELDS),
             "num_key_value_heads": self.mla_num_heads,
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
+            "tie_word_embeddings": False,
+            "hidden_act": "situ",
+            "moe_layer_freq": 1,
             "mla_use_nope": True,
-            "mla_use_output_gate": self.mla_use_output_gate,
-            "num_experts": self.num_experts,
-            "num_experts_per_token": self.num_experts_per_token,
-            "num_shared_experts": self.num_shared_experts,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "routed_expert_hidden_size": self.routed_expert_hidden_size,
-            "latent_moe_use_norm": self.latent_moe_use_norm,
             "moe_router_activation_func": "sigmoid",
-            "moe_renormalize": self.moe_renormalize,
-            "routed_scaling_factor": self.routed_scaling_factor,
             "use_grouped_topk": True,
             "num_expert_group": 1,
             "topk_group": 1,
             "topk_method": "noaux_tc",
             "num_nextn_predict_layers": 0,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
             "media_placeholder_token_id": self.media_placeholder_token_id,
             "linear_attn_config": {
-                "num_heads": self.kda_num_heads,
-                "head_dim": self.kda_head_dim,
+                **_fields_to_hf(self, _KDA_FIELDS),
                 "a_log_size": self.kda_a_log_size,
-                "short_conv_kernel_size": self.short_conv_kernel_size,
-                "gate_lower_bound": self.gate_lower_bound,
                 "use_full_rank_gate": True,
                 "kda_layers": kda_layers,
                 "full_attn_layers": full_layers,
@@ -242,6 +212,73 @@ class ModelConfig:
 
 
 # --------------------------------------------------------------------------------------------
+# (field, its key in the HF config, required there): the fields config.json stores as they are;
+# an absent optional key leaves the field's default
+_TEXT_FIELDS = (
+    ("hidden_size", "hidden_size", True),
+    ("num_layers", "num_hidden_layers", True),
+    ("vocab_size", "vocab_size", True),
+    ("intermediate_size", "intermediate_size", True),
+    ("first_k_dense_replace", "first_k_dense_replace", False),
+    ("rms_norm_eps", "rms_norm_eps", False),
+    ("max_position_embeddings", "max_position_embeddings", False),
+    ("situ_beta", "activation_situ_beta", False),
+    ("situ_linear_beta", "activation_situ_linear_beta", False),
+    ("attn_res_block_size", "attn_res_block_size", True),
+    ("mla_num_heads", "num_attention_heads", True),
+    ("q_lora_rank", "q_lora_rank", True),
+    ("kv_lora_rank", "kv_lora_rank", True),
+    ("qk_nope_head_dim", "qk_nope_head_dim", True),
+    ("qk_rope_head_dim", "qk_rope_head_dim", True),
+    ("v_head_dim", "v_head_dim", True),
+    ("mla_use_output_gate", "mla_use_output_gate", False),
+    ("num_experts", "num_experts", True),
+    ("num_experts_per_token", "num_experts_per_token", True),
+    ("num_shared_experts", "num_shared_experts", False),
+    ("moe_intermediate_size", "moe_intermediate_size", True),
+    ("routed_expert_hidden_size", "routed_expert_hidden_size", True),
+    ("latent_moe_use_norm", "latent_moe_use_norm", False),
+    ("moe_renormalize", "moe_renormalize", False),
+    ("routed_scaling_factor", "routed_scaling_factor", False),
+    ("bos_token_id", "bos_token_id", False),
+    ("eos_token_id", "eos_token_id", False),
+    ("pad_token_id", "pad_token_id", False),
+)
+_KDA_FIELDS = (  # in text_config.linear_attn_config
+    ("kda_num_heads", "num_heads", True),
+    ("kda_head_dim", "head_dim", True),
+    ("short_conv_kernel_size", "short_conv_kernel_size", False),
+    ("gate_lower_bound", "gate_lower_bound", True),
+)
+_VISION_FIELDS = (
+    ("patch_size", "patch_size", False),
+    ("hidden_size", "vt_hidden_size", False),
+    ("num_layers", "vt_num_hidden_layers", False),
+    ("num_heads", "vt_num_attention_heads", False),
+    ("qkv_hidden_size", "qkv_hidden_size", False),
+    ("intermediate_size", "vt_intermediate_size", False),
+    ("pos_emb_height", "init_pos_emb_height", False),
+    ("pos_emb_width", "init_pos_emb_width", False),
+    ("pos_emb_time", "init_pos_emb_time", False),
+    ("projector_ln_eps", "projector_ln_eps", False),
+    ("text_hidden_size", "text_hidden_size", False),
+)
+
+
+def _fields_from_hf(d: dict[str, Any], table: tuple[tuple[str, str, bool], ...], where: str) -> dict[str, Any]:
+    fields = {}
+    for field, key, required in table:
+        if key in d:
+            fields[field] = d[key]
+        elif required:
+            raise ValueError(f"{where}.{key} is required")
+    return fields
+
+
+def _fields_to_hf(config: Any, table: tuple[tuple[str, str, bool], ...]) -> dict[str, Any]:
+    return {key: getattr(config, field) for field, key, _ in table}
+
+
 def _layer_types_from_hf(num_layers: int, lin: dict[str, Any]) -> tuple[LayerType, ...]:
     """The one place the published 1-indexed layer lists become 0-indexed layer types."""
     kda = lin.get("kda_layers")
@@ -299,45 +336,15 @@ def _text_from_hf(
         raise ValueError("text_config.num_expert_group/topk_group must be 1 (K3 has no group limit)")
     if t.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"text_config.moe_layer_freq must be 1, got {t['moe_layer_freq']!r}")
-    heads = _req(lin, "num_heads", "linear_attn_config")
-    head_dim = _req(lin, "head_dim", "linear_attn_config")
-    expert_format: ExpertFormat = "mxfp4" if _is_mxfp4(quant) else "bf16"
+    fields = _fields_from_hf(t, _TEXT_FIELDS, "text_config") | _fields_from_hf(lin, _KDA_FIELDS, "linear_attn_config")
+    fields.setdefault("num_shared_experts", 1)  # what an HF config without the key means (K3 has 2)
     kwargs: dict[str, Any] = dict(
-        hidden_size=_req(t, "hidden_size"),
-        num_layers=num_layers,
-        vocab_size=_req(t, "vocab_size"),
+        fields,
         layer_types=_layer_types_from_hf(num_layers, lin),
-        intermediate_size=_req(t, "intermediate_size"),
-        first_k_dense_replace=t.get("first_k_dense_replace", 1),
-        rms_norm_eps=t.get("rms_norm_eps", 1e-5),
-        max_position_embeddings=t.get("max_position_embeddings", 1_048_576),
-        situ_beta=t.get("activation_situ_beta", 4.0),
-        situ_linear_beta=t.get("activation_situ_linear_beta", 25.0),
-        attn_res_block_size=_req(t, "attn_res_block_size"),
-        kda_num_heads=heads,
-        kda_head_dim=head_dim,
-        kda_a_log_size=lin.get("a_log_size", max(heads, head_dim)),
-        short_conv_kernel_size=lin.get("short_conv_kernel_size", 4),
-        gate_lower_bound=float(lin["gate_lower_bound"]),
-        mla_num_heads=_req(t, "num_attention_heads"),
-        q_lora_rank=t["q_lora_rank"],
-        kv_lora_rank=_req(t, "kv_lora_rank"),
-        qk_nope_head_dim=_req(t, "qk_nope_head_dim"),
-        qk_rope_head_dim=_req(t, "qk_rope_head_dim"),
-        v_head_dim=_req(t, "v_head_dim"),
-        mla_use_output_gate=t.get("mla_use_output_gate", True),
-        num_experts=_req(t, "num_experts"),
-        num_experts_per_token=_req(t, "num_experts_per_token"),
-        num_shared_experts=t.get("num_shared_experts", 1),
-        moe_intermediate_size=_req(t, "moe_intermediate_size"),
-        routed_expert_hidden_size=_req(t, "routed_expert_hidden_size"),
-        latent_moe_use_norm=t.get("latent_moe_use_norm", True),
-        moe_renormalize=t.get("moe_renormalize", True),
-        routed_scaling_factor=float(t.get("routed_scaling_factor", 1.0)),
-        expert_format=expert_format,
-        bos_token_id=t.get("bos_token_id", 163584),
-        eos_token_id=t.get("eos_token_id", 163586),
-        pad_token_id=t.get("pad_token_id", 163839),
+        kda_a_log_size=lin.get("a_log_size", max(fields["kda_num_heads"], fields["kda_head_dim"])),
+        gate_lower_bound=float(fields["gate_lower_bound"]),
+        routed_scaling_factor=float(fields.get("routed_scaling_factor", 1.0)),
+        expert_format="mxfp4" if _is_mxfp4(quant) else "bf16",
         vision=_vision_from_hf(v) if v else None,
         name=name,
     )
@@ -387,58 +394,42 @@ def _mxfp4_quantization_config() -> dict[str, Any]:
 def _vision_from_hf(v: dict[str, Any]) -> VisionConfig:
     mk = v.get("merge_kernel_size", [2, 2])
     return VisionConfig(
-        patch_size=v.get("patch_size", 14),
-        hidden_size=v.get("vt_hidden_size", 1024),
-        num_layers=v.get("vt_num_hidden_layers", 27),
-        num_heads=v.get("vt_num_attention_heads", 12),
-        qkv_hidden_size=v.get("qkv_hidden_size", 1536),
-        intermediate_size=v.get("vt_intermediate_size", 4096),
-        pos_emb_height=v.get("init_pos_emb_height", 64),
-        pos_emb_width=v.get("init_pos_emb_width", 64),
-        pos_emb_time=v.get("init_pos_emb_time", 4),
+        **_fields_from_hf(v, _VISION_FIELDS, "vision_config"),
         merge_kernel=(int(mk[0]), int(mk[1])),
         projector_hidden_size=v.get("mm_hidden_size", 1024) * int(mk[0]) * int(mk[1]),
-        text_hidden_size=v.get("text_hidden_size", 7168),
-        projector_ln_eps=v.get("projector_ln_eps", 1e-5),
     )
 
 
 def _vision_to_hf(v: VisionConfig) -> dict[str, Any]:
     return {
-        "patch_size": v.patch_size,
-        "vt_hidden_size": v.hidden_size,
-        "vt_num_hidden_layers": v.num_layers,
-        "vt_num_attention_heads": v.num_heads,
-        "qkv_hidden_size": v.qkv_hidden_size,
-        "vt_intermediate_size": v.intermediate_size,
+        **_fields_to_hf(v, _VISION_FIELDS),
         "activation_func": "gelu_pytorch_tanh",
         "norm_type": "rmsnorm",
         "attn_bias": False,
         "linear_bias": False,
         "patch_embed_proj_bias": False,
         "pos_emb_type": "divided_fixed",
-        "init_pos_emb_height": v.pos_emb_height,
-        "init_pos_emb_width": v.pos_emb_width,
-        "init_pos_emb_time": v.pos_emb_time,
         "pos_emb_interpolation_mode": "bilinear",
         "merge_type": "sd2_tpool",
         "merge_kernel_size": list(v.merge_kernel),
         "mm_projector_type": "patchmergerv2",
         "mm_hidden_size": v.hidden_size,
         "projector_hidden_act": "gelu",
-        "projector_ln_eps": v.projector_ln_eps,
-        "text_hidden_size": v.text_hidden_size,
     }
 
 
+def _check_positive_ints(config: Any, names: tuple[str, ...], where: str = "") -> None:
+    for fname in names:
+        val = getattr(config, fname)
+        if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+            raise ValueError(f"{where}{fname} must be a positive int, got {val!r}")
+
+
 def _validate_vision(v: VisionConfig) -> None:
-    for fname in (
+    _check_positive_ints(v, (
         "patch_size", "hidden_size", "num_layers", "num_heads", "qkv_hidden_size", "intermediate_size",
         "pos_emb_height", "pos_emb_width", "pos_emb_time", "projector_hidden_size", "text_hidden_size",
-    ):
-        val = getattr(v, fname)
-        if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-            raise ValueError(f"vision_config.{fname} must be a positive int, got {val!r}")
+    ), "vision_config.")
     if v.qkv_hidden_size % v.num_heads or v.head_dim % 4:
         raise ValueError(
             f"vision_config.qkv_hidden_size={v.qkv_hidden_size} must split into {v.num_heads} heads whose "
@@ -456,19 +447,13 @@ def _validate_vision(v: VisionConfig) -> None:
 
 
 def _validate(c: ModelConfig) -> None:
-    def positive(fname: str) -> None:
-        val = getattr(c, fname)
-        if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-            raise ValueError(f"{fname} must be a positive int, got {val!r}")
-
-    for f in (
+    _check_positive_ints(c, (
         "hidden_size", "num_layers", "vocab_size", "intermediate_size", "attn_res_block_size",
         "kda_num_heads", "kda_head_dim", "kda_a_log_size", "short_conv_kernel_size", "mla_num_heads",
         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts",
         "num_experts_per_token", "moe_intermediate_size", "routed_expert_hidden_size",
         "max_position_embeddings",
-    ):
-        positive(f)
+    ))
     if not isinstance(c.qk_rope_head_dim, int) or c.qk_rope_head_dim < 0:
         raise ValueError(f"qk_rope_head_dim must be a non-negative int, got {c.qk_rope_head_dim!r}")
     if len(c.layer_types) != c.num_layers:
