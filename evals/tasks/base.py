@@ -5,15 +5,21 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+from k3ray.evals import haystack as hs
 from k3ray.evals.fit import fit_to_length
 from k3ray.evals.target import Prompt, Target, count_tokens
 
 # RULER draws a needle depth from 40 evenly spaced percentages when none is given
 RANDOM_DEPTHS = tuple(round(100 * i / 39, 2) for i in range(40))
+# share of the token budget a counting task leaves to its filler, which absorbs the estimate's error
+FILLER_SHARE = 0.05
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,29 @@ def pick_depth(rng: random.Random, cell: Cell) -> float:
     return rng.choice(RANDOM_DEPTHS) if cell.depth is None else cell.depth
 
 
+def question_in(prompt: Prompt, question: re.Pattern[str]) -> re.Match[str] | None:
+    """A task's question in a text prompt; None for a chat prompt or another task's prompt."""
+    return question.search(prompt) if isinstance(prompt, str) else None
+
+
+def fit_counted_core(
+    build: Callable[[int], tuple[T, str]], count: Callable[[str], int], head: str, tail: str,
+    tokens_per_unit: float, budget: int, what: str,
+) -> tuple[T, str]:
+    """The core of a counting task, `build(n)` -> (what its answers need, core text starting with
+    `head`) for n units, sized from the per-unit estimate and shrunk until core + tail is under
+    `budget` with about FILLER_SHARE of it left for the filler."""
+    fixed = count(head + tail)
+    n = int((budget - fixed) * (1 - FILLER_SHARE) / tokens_per_unit)
+    for _ in range(8):
+        built, core = build(n)
+        used = count(core + tail)
+        if used < budget:
+            return built, core
+        n = int(n * (budget - fixed) / (used - fixed) * (1 - FILLER_SHARE))
+    raise ValueError(f"could not fit {what} into {budget} tokens")
+
+
 class Task(ABC):
     name: str
     metric: str = "all"
@@ -75,6 +104,17 @@ class Layout:
     render: Callable[[int], str]
     answers: tuple[str, ...]
     depth: float | None = None
+
+    @staticmethod
+    def inserted(head: str, haystack: hs.CycledText | hs.StreamedText, inserts: Sequence[tuple[float, str]],
+                 tail: str, answers: tuple[str, ...], depth: float) -> "Layout":
+        """head, the haystack's first n characters with each (fraction, text) insert at its depth, tail."""
+        return Layout(lambda n: head + hs.insert_at_depths(haystack.prefix(n), inserts) + tail, answers, depth)
+
+    @staticmethod
+    def filled(core: str, filler: hs.CycledText | hs.StreamedText, tail: str, answers: tuple[str, ...]) -> "Layout":
+        """core, the filler's first n characters, tail."""
+        return Layout(lambda n: core + filler.prefix(n) + tail, answers)
 
 
 class TextTask(Task):

@@ -16,12 +16,10 @@ from dataclasses import dataclass
 from k3ray.evals import haystack as hs
 from k3ray.evals import words
 from k3ray.evals.target import Prompt
-from k3ray.evals.tasks.base import Cell, Layout, TextTask
+from k3ray.evals.tasks.base import Cell, Layout, TextTask, fit_counted_core, question_in
 
 _QUESTION = re.compile(r"What are the (\d+) most common words in the list above\?")
 _ITEM = re.compile(r"^\d+\. (\S+)$", re.M)
-# share of the token budget left to the once-only tail, which absorbs the estimate's error
-_TAIL_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -50,26 +48,17 @@ class CommonWords(TextTask):
             f"\nQuestion: What are the {self.num_common} most common words in the list above?"
             f" Answer: The {self.num_common} most common words in the list above are:"
         )
-        fixed = count(head + tail)
         sample = "".join(f"\n{1000 + i}. {w}" for i, w in enumerate(words.distinct_words(random.Random(0), 64)))
-        per_item = count(sample) / 64
-        num_items = int((budget - fixed) * (1 - _TAIL_SHARE) / per_item)
         core_seed, tail_seed = rng.getrandbits(64), rng.getrandbits(64)
-        for _ in range(8):
+
+        def build(num_items: int) -> tuple[tuple[list[str], list[str]], str]:
             common, listed = self._core(random.Random(core_seed), num_items, cell.length)
-            core = head.rstrip("\n") + "".join(f"\n{i}. {w}" for i, w in enumerate(listed, 1))
-            used = count(core + tail)
-            if used < budget:
-                break
-            num_items = int(num_items * (budget - fixed) / (used - fixed) * (1 - _TAIL_SHARE))
-        else:
-            raise ValueError(f"could not fit a common-words list into {budget} tokens")
+            return (common, listed), head.rstrip("\n") + "".join(f"\n{i}. {w}" for i, w in enumerate(listed, 1))
+
+        (common, listed), core = fit_counted_core(build, count, head, tail, count(sample) / 64, budget,
+                                                  "a common-words list")
         filler = hs.StreamedText(_once_only_items(random.Random(tail_seed), len(listed) + 1))
-
-        def render(n: int) -> str:
-            return core + filler.prefix(n) + tail
-
-        return Layout(render, tuple(common))
+        return Layout.filled(core, filler, tail, tuple(common))
 
 
 def _once_only_items(rng: random.Random, start: int) -> Iterator[str]:
@@ -82,9 +71,7 @@ def _once_only_items(rng: random.Random, start: int) -> Iterator[str]:
 
 def read(prompt: Prompt) -> str | None:
     """Count the listed words and name the most frequent ones."""
-    if not isinstance(prompt, str):
-        return None
-    question = _QUESTION.search(prompt)
+    question = question_in(prompt, _QUESTION)
     if question is None:
         return None
     counts = Counter(_ITEM.findall(prompt[: question.start()]))

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from k3ray.evals import haystack as hs
 from k3ray.evals import words
 from k3ray.evals.target import Prompt
-from k3ray.evals.tasks.base import Cell, Layout, TextTask
+from k3ray.evals.tasks.base import Cell, Layout, TextTask, fit_counted_core, question_in
 
 _QUESTION = re.compile(r"What are the (\d+) most frequent coded words in the text above\?")
-_TAIL_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -47,32 +46,20 @@ class FrequentWords(TextTask):
             f"\nQuestion: What are the {self.num_answers} most frequent coded words in the text above?"
             f" Do not explain. Answer: The {self.num_answers} most frequent coded words in the text above are:"
         )
-        fixed = count(head + tail)
         per_word = count(" ".join(words.coded_words(random.Random(0), 64))) / 64
-        num_words = int((budget - fixed) * (1 - _TAIL_SHARE) / per_word)
         core_seed = rng.getrandbits(64)
-        for _ in range(8):
+
+        def build(num_words: int) -> tuple[list[str], str]:
             answers, text = self._core(random.Random(core_seed), num_words, cell.length)
-            core = head + " ".join(text)
-            used = count(core + tail)
-            if used < budget:
-                break
-            num_words = int(num_words * (budget - fixed) / (used - fixed) * (1 - _TAIL_SHARE))
-        else:
-            raise ValueError(f"could not fit a coded text into {budget} tokens")
-        dots = hs.CycledText(" ....")
+            return answers, head + " ".join(text)
 
-        def render(n: int) -> str:
-            return core + dots.prefix(n) + tail
-
-        return Layout(render, tuple(answers))
+        answers, core = fit_counted_core(build, count, head, tail, per_word, budget, "a coded text")
+        return Layout.filled(core, hs.CycledText(" ...."), tail, tuple(answers))
 
 
 def read(prompt: Prompt) -> str | None:
     """Count the coded words (dots ignored) and name the most frequent ones."""
-    if not isinstance(prompt, str):
-        return None
-    question = _QUESTION.search(prompt)
+    question = question_in(prompt, _QUESTION)
     if question is None:
         return None
     body = prompt[prompt.index("\n") + 1 : question.start()]

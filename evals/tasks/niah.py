@@ -89,11 +89,7 @@ class NeedleTask(TextTask):
             f"\nWhat are all the special magic {self.values} for {query} mentioned in the text above?"
             f" The special magic {self.values} for {query} mentioned in the text above are"
         )
-
-        def render(n: int) -> str:
-            return head + hs.insert_at_depths(haystack.prefix(n), needles) + tail
-
-        return Layout(render, answers, depth)
+        return Layout.inserted(head, haystack, needles, tail, answers, depth)
 
 
 def read(prompt: Prompt) -> str | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from k3ray.evals import haystack as hs
 from k3ray.evals import words
 from k3ray.evals.target import Prompt
-from k3ray.evals.tasks.base import Cell, Layout, TextTask, pick_depth
+from k3ray.evals.tasks.base import Cell, Layout, TextTask, pick_depth, question_in
 
 _QUESTION = re.compile(r"Which variables are assigned the value (\d+) in the text above\?")
 
@@ -49,19 +49,12 @@ class VariableTracking(TextTask):
             f"\nQuestion: Which variables are assigned the value {values[0]} in the text above?"
             f" Answer: The variables assigned the value {values[0]} in the text above are:"
         )
-        haystack = hs.noise_haystack()
-
-        def render(n: int) -> str:
-            return head + hs.insert_at_depths(haystack.prefix(n), statements) + tail
-
-        return Layout(render, answers, depth)
+        return Layout.inserted(head, hs.noise_haystack(), statements, tail, answers, depth)
 
 
 def read(prompt: Prompt) -> str | None:
     """Follow the assignments from the queried value, in text order."""
-    if not isinstance(prompt, str):
-        return None
-    question = _QUESTION.search(prompt)
+    question = question_in(prompt, _QUESTION)
     if question is None:
         return None
     holding = []
