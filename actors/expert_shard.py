@@ -16,21 +16,18 @@ class ExpertContainer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int], expert_range: tuple[int, int], dtype):
         super().__init__()
-        from k3ray.models.moe import LocalExperts
+        from k3ray.models.k3 import local_experts
 
         self.config, self.expert_range = config, expert_range
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict()
-        e0, e1 = expert_range
+        experts = local_experts(config, dtype, expert_range)
         for i in range(*layer_range):
             if not config.is_moe_layer(i):
                 continue
             holder = nn.Module()
             holder.block_sparse_moe = nn.Module()
-            holder.block_sparse_moe.experts = LocalExperts(
-                e0, e1 - e0, config.routed_expert_hidden_size, config.moe_intermediate_size, config.expert_format,
-                config.situ_beta, config.situ_linear_beta, dtype,
-            )
+            holder.block_sparse_moe.experts = experts(i)
             self.model.layers[str(i)] = holder
 
     def experts(self, layer_idx: int):

@@ -2,7 +2,8 @@
 the output AttnRes, final norm and untied head. Pure math; caches arrive in a ForwardBatch.
 
 A model may hold a layer range (a pipeline stage) and an expert range (its MoE layers hold only
-those experts); `forward_layers` carries the AttnRes state (partial sum + bank) between stages.
+those experts), or take its MoE layers' experts from a factory (experts held elsewhere);
+`forward_layers` carries the AttnRes state (partial sum + bank) between stages.
 """
 
 from __future__ import annotations
@@ -15,13 +16,20 @@ from k3ray.kernels.attn_res import attn_res_rmsnorm
 from k3ray.models.forward_batch import ForwardBatch
 from k3ray.models.kda import KimiDeltaAttention
 from k3ray.models.mla import GatedMLA
-from k3ray.models.moe import SituMLP, StableLatentMoE
+from k3ray.models.moe import ExpertsFactory, LocalExperts, SituMLP, StableLatentMoE
 from k3ray.models.norm import RMSNorm
 
 
+def local_experts(config: ModelConfig, dtype: torch.dtype, expert_range: tuple[int, int]) -> ExpertsFactory:
+    """Each MoE layer holds its routed experts [e0, e1) in this process."""
+    e0, e1 = expert_range
+    c = config
+    return lambda layer_idx: LocalExperts(e0, e1 - e0, c.routed_expert_hidden_size, c.moe_intermediate_size,
+                                          c.expert_format, c.situ_beta, c.situ_linear_beta, dtype)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 expert_range: tuple[int, int] | None = None):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, experts: ExpertsFactory):
         super().__init__()
         c = config
         D, eps = c.hidden_size, c.rms_norm_eps
@@ -46,9 +54,9 @@ class DecoderLayer(nn.Module):
         self.mlp_res_norm = RMSNorm(D, eps, dtype)
         if c.is_moe_layer(layer_idx):
             self.block_sparse_moe = StableLatentMoE(
-                D, c.routed_expert_hidden_size, c.num_experts, c.num_experts_per_token, c.moe_intermediate_size,
+                D, c.routed_expert_hidden_size, c.num_experts, c.num_experts_per_token, experts(layer_idx),
                 c.shared_intermediate_size, c.moe_renormalize, c.routed_scaling_factor, c.latent_moe_use_norm,
-                eps, c.expert_format, c.situ_beta, c.situ_linear_beta, dtype, expert_range,
+                eps, c.situ_beta, c.situ_linear_beta, dtype,
             )
         else:
             self.mlp = SituMLP(D, c.intermediate_size, c.situ_beta, c.situ_linear_beta, dtype)
@@ -85,7 +93,7 @@ class K3Model(nn.Module):
     output AttnRes + final norm if end == num_layers."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_range: tuple[int, int],
-                 expert_range: tuple[int, int] | None = None):
+                 experts: ExpertsFactory):
         super().__init__()
         start, end = layer_range
         self.config, self.start, self.end = config, start, end
@@ -93,7 +101,7 @@ class K3Model(nn.Module):
         if start == 0:
             self.embed_tokens = nn.Embedding(config.vocab_size, D, dtype=dtype)
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(config, i, dtype, expert_range) for i in range(start, end)}
+            {str(i): DecoderLayer(config, i, dtype, experts) for i in range(start, end)}
         )
         if end == config.num_layers:
             self.output_attn_res_proj = nn.Linear(D, 1, bias=False, dtype=dtype)
@@ -102,19 +110,25 @@ class K3Model(nn.Module):
 
 
 class K3ForCausalLM(nn.Module):
-    """`language_model.*` of a K3 checkpoint (or a slice of it: a layer range, an expert range)."""
+    """`language_model.*` of a K3 checkpoint (or a slice of it: a layer range, an expert range).
+
+    experts: builds each MoE layer's experts instead of holding experts [expert_range) here (a
+    pipeline stage whose experts run elsewhere); the model then holds no routed expert tensors."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 layer_range: tuple[int, int] | None = None, expert_range: tuple[int, int] | None = None):
+                 layer_range: tuple[int, int] | None = None, expert_range: tuple[int, int] | None = None,
+                 experts: ExpertsFactory | None = None):
         super().__init__()
         layer_range = layer_range or (0, config.num_layers)
         if not 0 <= layer_range[0] < layer_range[1] <= config.num_layers:
             raise ValueError(f"layer_range {layer_range} is not a non-empty range within [0, {config.num_layers}]")
         if expert_range is not None and not 0 <= expert_range[0] < expert_range[1] <= config.num_experts:
             raise ValueError(f"expert_range {expert_range} is not a non-empty range within [0, {config.num_experts}]")
+        if expert_range is not None and experts is not None:
+            raise ValueError("pass expert_range (experts held here) or experts (a factory), not both")
         self.config, self.dtype = config, dtype
         self.layer_range, self.expert_range = layer_range, expert_range or (0, config.num_experts)
-        self.model = K3Model(config, dtype, layer_range, expert_range)
+        self.model = K3Model(config, dtype, layer_range, experts or local_experts(config, dtype, self.expert_range))
         if layer_range[1] == config.num_layers:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 

@@ -1,13 +1,16 @@
 """K3's feed-forward blocks: the dense SiTU-GLU MLP (layer 0, shared experts) and the Stable
-LatentMoE (fp32 sigmoid router with selection-only bias, latent down-projection, routed SiTU-GLU
+LatentMoE (fp32 sigmoid expert gate with selection-only bias, latent down-projection, routed SiTU-GLU
 experts, RMSNorm over the combined latent, up-projection, plus the shared MLP on the input)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import Callable
+
 import torch
 from torch import nn
 
-from k3ray.kernels.moe import moe_experts, route, situ_glu
+from k3ray.kernels.moe import moe_experts, select_experts, situ_glu
 from k3ray.kernels.moe.cpu import EveryExpertWeights, fuse_every_expert
 from k3ray.kernels.moe.mxfp4 import dequantize_mxfp4
 from k3ray.models.norm import RMSNorm
@@ -30,7 +33,9 @@ class SituMLP(nn.Module):
         return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
 
 
-class Router(nn.Module):
+class ExpertGate(nn.Module):
+    """Picks each token's routed experts and their weights (the checkpoint's `gate`)."""
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, scaling: float, dtype):
         super().__init__()
         self.top_k, self.renormalize, self.scaling = top_k, renormalize, scaling
@@ -40,10 +45,22 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
         logits = x.float() @ self.weight.float().T  # [T, E] fp32
-        return route(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
+        return select_experts(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
 
 
-class LocalExperts(nn.Module):
+class ExpertBackend(nn.Module, ABC):
+    """Where a MoE layer's routed experts run: LocalExperts in this process, or a backend that sends
+    the latent rows to experts held elsewhere (the Ray stages' remote experts)."""
+
+    @abstractmethod
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """h [T, Dl], ids / weights [T, k] -> y [T, Dl] fp32 = sum over k of weights * expert(h)."""
+
+
+ExpertsFactory = Callable[[int], ExpertBackend]  # MoE layer index -> that layer's experts
+
+
+class LocalExperts(ExpertBackend):
     """Routed experts [start, start + count) of one MoE layer, stacked per projection.
 
     bf16 format: w1, w3 [E, I, Dl], w2 [E, Dl, I]. MXFP4: w*_packed [E, out, in/2] uint8 and
@@ -125,24 +142,24 @@ class _CpuOperands:
 
 
 class StableLatentMoE(nn.Module):
-    def __init__(self, hidden_size: int, latent: int, num_experts: int, top_k: int, intermediate: int,
+    """`experts` computes the routed experts on the latent rows, here or elsewhere (ExpertBackend)."""
+
+    def __init__(self, hidden_size: int, latent: int, num_experts: int, top_k: int, experts: ExpertBackend,
                  shared_intermediate: int, renormalize: bool, scaling: float, use_norm: bool, norm_eps: float,
-                 fmt: str, beta: float, linear_beta: float, dtype: torch.dtype,
-                 expert_range: tuple[int, int] | None = None):
+                 beta: float, linear_beta: float, dtype: torch.dtype):
         super().__init__()
-        e0, e1 = expert_range or (0, num_experts)
-        self.gate = Router(hidden_size, num_experts, top_k, renormalize, scaling, dtype)
+        self.gate = ExpertGate(hidden_size, num_experts, top_k, renormalize, scaling, dtype)
         self.routed_expert_down_proj = nn.Linear(hidden_size, latent, bias=False, dtype=dtype)
         self.routed_expert_up_proj = nn.Linear(latent, hidden_size, bias=False, dtype=dtype)
         self.routed_expert_norm = RMSNorm(latent, norm_eps, dtype) if use_norm else None
-        self.experts = LocalExperts(e0, e1 - e0, latent, intermediate, fmt, beta, linear_beta, dtype)
+        self.experts = experts
         self.shared_experts = (
             SituMLP(hidden_size, shared_intermediate, beta, linear_beta, dtype) if shared_intermediate else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        h = self.routed_expert_down_proj(x)  # [T, Dl]; the router does not see h
+        h = self.routed_expert_down_proj(x)  # [T, Dl]; the gate does not see h
         y = self.experts(h, ids, weights).to(x.dtype)
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from k3ray.kernels.moe.dispatch import moe_experts, route
+from k3ray.kernels.moe.dispatch import moe_experts, select_experts
 from k3ray.kernels.moe.mxfp4 import GROUP
 from k3ray.kernels.moe.naive import naive_moe_experts
 
@@ -25,7 +25,7 @@ def _route_case(T: int, E: int, k: int, device: str, label: str) -> dict[str, An
     return {
         "op": "moe_route",
         "shape": f"{label} T={T} E={E} k={k}",
-        "fn": lambda: route(logits, bias, k),
+        "fn": lambda: select_experts(logits, bias, k),
         "bytes": T * E * 4 + E * 4 + T * k * 12,
         "flops": None,
     }

@@ -7,10 +7,10 @@ import torch
 
 from k3ray.kernels.moe.cpu import moe_experts_cpu
 from k3ray.kernels.moe.mxfp4 import GROUP
-from k3ray.kernels.moe.naive import naive_route
+from k3ray.kernels.moe.naive import naive_select_experts
 
 
-def route(
+def select_experts(
     logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool = True, scaling: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32 -> (weights [T, k] fp32, ids [T, k] int64): sigmoid scores, top-k of
@@ -20,10 +20,10 @@ def route(
     if not 0 < top_k <= logits.shape[1]:
         raise ValueError(f"top_k must be in [1, {logits.shape[1]}], got {top_k}")
     if logits.is_cuda:
-        from k3ray.kernels.moe.routing import route_triton
+        from k3ray.kernels.moe.routing import select_experts_triton
 
-        return route_triton(logits, bias, top_k, renormalize, scaling)
-    return naive_route(logits, bias, top_k, renormalize, scaling)  # one topk over [T, E]: already vectorised
+        return select_experts_triton(logits, bias, top_k, renormalize, scaling)
+    return naive_select_experts(logits, bias, top_k, renormalize, scaling)  # one topk over [T, E]: already vectorised
 
 
 def _shape(w) -> tuple[int, int, int]:

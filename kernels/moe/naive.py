@@ -16,14 +16,14 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) 
     return out.to(g.dtype)
 
 
-def naive_route(
+def naive_select_experts(
     logits: torch.Tensor,
     bias: torch.Tensor,
     top_k: int,
     renormalize: bool = True,
     scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (fp32 router GEMM output) -> (weights [T, k] fp32, ids [T, k] int64).
+    """logits [T, E] (fp32 gate GEMM output) -> (weights [T, k] fp32, ids [T, k] int64).
 
     The correction bias affects selection only; weights are the plain sigmoid scores."""
     s = torch.sigmoid(logits.float())

@@ -1,4 +1,4 @@
-"""Triton sigmoid + bias top-k router (fp32): one program per token row, k rounds of argmax."""
+"""Triton expert selection (sigmoid + bias top-k, fp32): one program per token row, k rounds of argmax."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def moe_route_fwd_kernel(
+def select_experts_fwd_kernel(
     logits, bias, weights, ids,
     E, scaling, stride_lt,
     TOP_K: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, RENORM: tl.constexpr,
@@ -36,7 +36,7 @@ def moe_route_fwd_kernel(
     tl.store(ids + i_t * TOP_K + o_k, b_i.to(tl.int64), mask=m_k)
 
 
-def route_triton(
+def select_experts_triton(
     logits: torch.Tensor,
     bias: torch.Tensor,
     top_k: int,
@@ -54,7 +54,7 @@ def route_triton(
     if T == 0:
         return weights, ids
     BE = triton.next_power_of_2(E)
-    moe_route_fwd_kernel[(T,)](
+    select_experts_fwd_kernel[(T,)](
         x, bias, weights, ids, E, scaling, x.stride(0),
         TOP_K=top_k, BE=BE, BK=max(2, triton.next_power_of_2(top_k)), RENORM=renormalize,
         num_warps=4 if BE <= 1024 else 8,

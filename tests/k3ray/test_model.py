@@ -8,6 +8,8 @@ from k3ray.api import K3
 from k3ray.config import k3_config, k3_tiny_config
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.init import build_model
+from k3ray.models.k3 import K3ForCausalLM
+from k3ray.models.moe import ExpertBackend
 
 BS = 8  # small blocks so sequences span several
 
@@ -191,3 +193,29 @@ def test_long_context_absorbed_prefill_equals_expanded(tiny, ids, monkeypatch):
     monkeypatch.setattr(mla_module, "EXPANDED_PREFILL_MAX_SCORES", 0)
     absorbed = run_chunks(tiny, ids, [20, 25])
     assert max_rel(expanded, absorbed) <= FP32_REL
+
+
+class ExpertsHeldElsewhere(ExpertBackend):
+    """A layer's experts called, not owned (a plain dict is no submodule), as a pipeline stage's are."""
+
+    def __init__(self, held: dict, layer_idx: int):
+        super().__init__()
+        self.held, self.layer_idx = held, layer_idx
+
+    def forward(self, h, ids, weights):
+        return self.held[self.layer_idx](h, ids, weights)
+
+
+def test_experts_passed_in_are_the_only_experts(tiny, ids):
+    """A model built with an experts factory allocates no routed expert tensors of its own, and
+    equals the whole model when the backend computes the same experts."""
+    held = {int(i): layer.block_sparse_moe.experts for i, layer in tiny.model.layers.items()
+            if hasattr(layer, "block_sparse_moe")}
+    assert held
+    split = K3ForCausalLM(tiny.config, experts=lambda layer_idx: ExpertsHeldElsewhere(held, layer_idx))
+    own = {k: v for k, v in tiny.state_dict().items() if ".block_sparse_moe.experts." not in k}
+    assert set(split.state_dict()) == set(own)
+    split.load_state_dict(own)
+    assert torch.equal(run_chunks(split.eval(), ids, [20, 25]), run_chunks(tiny, ids, [20, 25]))
+    with pytest.raises(ValueError, match="not both"):
+        K3ForCausalLM(tiny.config, expert_range=(0, 1), experts=lambda layer_idx: ExpertsHeldElsewhere(held, layer_idx))

@@ -1,18 +1,18 @@
-"""MoE kernels vs kernels/moe/naive.py: the Triton router and grouped SiTU-GLU expert GEMMs (CPU
-interpreter; dense and MXFP4 weights; local expert ranges), the grouped CPU path, and the SiTU
-limits of research §6.2."""
+"""MoE kernels vs kernels/moe/naive.py: the Triton expert selection and grouped SiTU-GLU expert
+GEMMs (CPU interpreter; dense and MXFP4 weights; local expert ranges), the grouped CPU path, and the
+SiTU limits of research §6.2."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from k3ray.kernels.moe import moe_experts, route, situ_glu
+from k3ray.kernels.moe import moe_experts, select_experts, situ_glu
 from k3ray.kernels.moe import cpu as moe_cpu
 from k3ray.kernels.moe.cpu import moe_experts_cpu
 from k3ray.kernels.moe.experts import moe_experts_triton
 from k3ray.kernels.moe.mxfp4 import GROUP
-from k3ray.kernels.moe.naive import naive_moe_experts, naive_route
-from k3ray.kernels.moe.routing import route_triton
+from k3ray.kernels.moe.naive import naive_moe_experts, naive_select_experts
+from k3ray.kernels.moe.routing import select_experts_triton
 from k3ray.testing import assert_close
 
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -71,28 +71,28 @@ def _tol(dtype):
 
 # routing ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("renormalize,scaling", [(True, 1.0), (False, 2.5)], ids=["renorm", "raw_scaled"])
-def test_route_triton_matches_naive(renormalize, scaling, nan_empty):
+def test_select_experts_triton_matches_naive(renormalize, scaling, nan_empty):
     g = _gen(1)
     logits, bias = torch.randn(7, 37, generator=g) * 3, torch.randn(37, generator=g) * 0.2
-    w_ref, ids_ref = naive_route(logits, bias, 5, renormalize, scaling)
+    w_ref, ids_ref = naive_select_experts(logits, bias, 5, renormalize, scaling)
     out = (torch.full((7, 5), float("nan")), torch.full((7, 5), -1, dtype=torch.long))
-    w, ids = route_triton(logits, bias, 5, renormalize, scaling, out=out)
+    w, ids = select_experts_triton(logits, bias, 5, renormalize, scaling, out=out)
     assert torch.equal(ids, ids_ref)  # same experts in the same (descending biased score) order
     assert_close("route weights", w_ref, w, 1e-6)  # fp32 sigmoid and division
 
 
-def test_route_dispatch_on_cpu_is_the_reference():
+def test_select_experts_dispatch_on_cpu_is_the_reference():
     logits, bias = torch.randn(5, 16), torch.randn(16)
-    w, ids = route(logits, bias, 4)
-    w_ref, ids_ref = naive_route(logits, bias, 4)
+    w, ids = select_experts(logits, bias, 4)
+    w_ref, ids_ref = naive_select_experts(logits, bias, 4)
     assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
 
 
-def test_route_rejects_bad_arguments():
+def test_select_experts_rejects_bad_arguments():
     with pytest.raises(ValueError, match="top_k"):
-        route(torch.randn(3, 8), torch.zeros(8), 9)
+        select_experts(torch.randn(3, 8), torch.zeros(8), 9)
     with pytest.raises(ValueError, match="bias"):
-        route(torch.randn(3, 8), torch.zeros(7), 2)
+        select_experts(torch.randn(3, 8), torch.zeros(7), 2)
 
 
 # experts ------------------------------------------------------------------------------------
@@ -217,10 +217,10 @@ def test_triton_situ_saturates_like_naive():
 
 # GPU -----------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_route_gpu_k3_shape():
+def test_select_experts_gpu_k3_shape():
     logits, bias = torch.randn(64, 896) * 2, torch.randn(896) * 0.05
-    w_ref, ids_ref = naive_route(logits, bias, 16)
-    w, ids = route(logits.cuda(), bias.cuda(), 16)
+    w_ref, ids_ref = naive_select_experts(logits, bias, 16)
+    w, ids = select_experts(logits.cuda(), bias.cuda(), 16)
     assert torch.equal(ids.cpu(), ids_ref)
     assert_close("route gpu", w_ref, w.cpu(), 1e-6)
 

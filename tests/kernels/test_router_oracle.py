@@ -1,5 +1,5 @@
-"""The sigmoid + bias top-k router (reference, CPU dispatch and the Triton kernel under the CPU
-interpreter) against transformers 5.18.0 `DeepseekV3TopkRouter` and `KimiLinearTopkRouter`
+"""The sigmoid + bias top-k expert selection (reference, CPU dispatch and the Triton kernel under the
+CPU interpreter) against transformers 5.18.0 `DeepseekV3TopkRouter` and `KimiLinearTopkRouter`
 with one expert group (n_group = topk_group = 1, as K3 configures them)."""
 
 import pytest
@@ -8,9 +8,9 @@ from transformers import DeepseekV3Config, KimiLinearConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkRouter
 
-from k3ray.kernels.moe import route
-from k3ray.kernels.moe.naive import naive_route
-from k3ray.kernels.moe.routing import route_triton
+from k3ray.kernels.moe import select_experts
+from k3ray.kernels.moe.naive import naive_select_experts
+from k3ray.kernels.moe.routing import select_experts_triton
 from k3ray.testing import assert_close
 
 HIDDEN, EXPERTS, TOP_K = 24, 37, 5
@@ -32,7 +32,7 @@ def _kimi(renormalize: bool, scaling: float) -> KimiLinearTopkRouter:
 
 
 ORACLES = {"deepseek_v3": _deepseek, "kimi_linear": _kimi}
-IMPLS = {"naive": naive_route, "dispatch": route, "triton": route_triton}
+IMPLS = {"naive": naive_select_experts, "dispatch": select_experts, "triton": select_experts_triton}
 
 
 def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +53,7 @@ def test_router_matches_transformers(oracle, impl, renormalize, scaling):
         # a bias large enough to change the selection, so selection-only use is checked
         router.e_score_correction_bias.copy_(torch.randn(EXPERTS, generator=g) * 0.3)
         _, their_w, their_ids = router(x)
-    logits = x.float() @ router.weight.float().T  # the fp32 router GEMM of k3ray's Router
+    logits = x.float() @ router.weight.float().T  # the fp32 gate GEMM of k3ray's ExpertGate
     w, ids = IMPLS[impl](logits, router.e_score_correction_bias, TOP_K, renormalize, scaling)
     ours_ids, ours_w = _by_id(w, ids)
     ref_ids, ref_w = _by_id(their_w, their_ids)
@@ -66,6 +66,6 @@ def test_bias_changes_selection_not_weights():
     logits = torch.randn(6, EXPERTS)
     bias = torch.zeros(EXPERTS)
     bias[:TOP_K] = 10.0  # forces experts 0..k-1
-    w, ids = naive_route(logits, bias, TOP_K, renormalize=False)
+    w, ids = naive_select_experts(logits, bias, TOP_K, renormalize=False)
     assert torch.equal(ids.sort(-1).values, torch.arange(TOP_K).expand(6, -1))
     assert torch.equal(w, torch.sigmoid(logits).gather(-1, ids))
