@@ -21,18 +21,6 @@ TOL_FP32 = 1e-5
 TOL_BF16 = 2e-2
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty returns NaN-filled float tensors, so unwritten buffer entries show up."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def _paged_cache(lens, width, block_size, dtype, seed=0):
     """A poisoned cache with each sequence's latents in shuffled blocks, and its block table
     (padding entries point far outside the cache)."""
