@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from k3ray.actors.protocol import MOE_DISPATCH_MODES, ParallelConfig
 from k3ray.bench.common import machine
 
 HELP = "decode local vs Ray actors, pipeline hop and MoE dispatch cost"
@@ -32,24 +33,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=16, help="decode steps per repetition")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
-    p.add_argument("--moe-dispatch", choices=["router", "direct", "compiled"], default="direct",
+    p.add_argument("--moe-dispatch", choices=MOE_DISPATCH_MODES, default=ParallelConfig.moe_dispatch,
                    help="how the Ray runner's stages reach the expert shards")
 
 
 def _decode_args(batch: int, step: int, prompt: int):
-    from k3ray.actors.protocol import StepArgs
+    from k3ray.engine.plan import BatchPlan
 
     tables = torch.arange(batch * 8).view(batch, 8)
-    return StepArgs(torch.randint(0, 256, (batch,)), torch.arange(batch + 1), torch.full((batch,), prompt + step + 1),
-                    torch.arange(batch), tables)
+    return BatchPlan(torch.randint(0, 256, (batch,)), torch.arange(batch + 1), torch.full((batch,), prompt + step + 1),
+                     torch.arange(batch), tables, logits_indices=torch.arange(batch))
 
 
 def _prefill_args(batch: int, prompt: int):
-    from k3ray.actors.protocol import StepArgs
+    from k3ray.engine.plan import BatchPlan
 
     tables = torch.arange(batch * 8).view(batch, 8)
-    return StepArgs(torch.randint(0, 256, (batch * prompt,)), torch.arange(batch + 1) * prompt,
-                    torch.full((batch,), prompt), torch.arange(batch), tables)
+    return BatchPlan(torch.randint(0, 256, (batch * prompt,)), torch.arange(batch + 1) * prompt,
+                     torch.full((batch,), prompt), torch.arange(batch), tables,
+                     logits_indices=torch.arange(batch * prompt))
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -83,12 +85,12 @@ def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from k3ray.actors.protocol import CacheSpec, ParallelConfig
-    from k3ray.actors.runner import RayModelRunner
-    from k3ray.actors.router import fan_out, split
+    from k3ray.actors.moe_dispatch import fan_out, split
+    from k3ray.actors.pipeline_replica import RayModelRunner
+    from k3ray.actors.protocol import CacheSpec
     from k3ray.actors.wire import pack, unpack_raw
     from k3ray.default_model import default_checkpoint_dir
-    from k3ray.models.forward_batch import ForwardBatch, ModelCache
+    from k3ray.models.forward_batch import ModelCache
     from k3ray.weights import load_model
 
     ckpt = args.model or default_checkpoint_dir()
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def local_step(a):
         with torch.inference_mode():  # as the local executor (and each stage actor) runs
-            local(a.input_ids, ForwardBatch(**a.batch_kwargs(), cache=local_cache))
+            local(a.input_ids, a.forward_batch(local_cache))
 
     if args.address:
         ray.init(address=args.address, include_dashboard=False, log_to_driver=False)

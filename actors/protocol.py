@@ -1,14 +1,16 @@
-"""What crosses the Ray boundary: plain, picklable tensors and frozen configs (no model objects)."""
+"""What crosses the Ray boundary: frozen configs, the engine's BatchPlan (pickled as one wire bundle)
+and plain tensors (no model objects)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+import copyreg
+from dataclasses import dataclass, field, fields
 
-import torch
+from k3ray.actors.wire import Bundle, pack, unpack
+from k3ray.engine.plan import BatchPlan
 
 # how a stage's MoE layers reach the expert shards: via the stage's router actor, by the stage's own
-# actor calls, or through a Ray Compiled Graph the stage compiles over its shards
+# actor calls, or through a Ray Compiled Graph the stage compiles over its shards (moe_dispatch.py)
 MOE_DISPATCH_MODES = ("router", "direct", "compiled")
 
 
@@ -58,46 +60,19 @@ class CacheSpec:
     dtype: str = "float32"
 
 
-@dataclass(frozen=True)
-class StepArgs:
-    """One model step: ForwardBatch indices (see k3ray.models.forward_batch) plus token ids, and
-    for the first stage the media rows to splice over the token embeddings."""
-
-    input_ids: torch.Tensor  # [T]
-    cu_seqlens: torch.Tensor  # [N + 1]
-    context_lens: torch.Tensor  # [N]
-    state_slots: torch.Tensor  # [N]
-    block_tables: torch.Tensor  # [N, B]
-    logits_indices: torch.Tensor | None = None  # rows of T whose logits are returned
-    spec_state_slots: torch.Tensor | None = None  # [N, q]
-    mm_positions: torch.Tensor | None = None  # [M] rows of T that are media placeholders
-    mm_embeds: torch.Tensor | None = None  # [M, D] their embeddings
-
-    def __reduce__(self):
-        """Pickled as one wire bundle (see k3ray.actors.wire): far cheaper per call than torch's pickle."""
-        from k3ray.actors.wire import pack
-
-        names = tuple(f.name for f in fields(self))
-        return (_step_args_from_wire, (names, pack(*(getattr(self, name) for name in names))))
-
-    def without_media(self) -> StepArgs:
-        """What stages after the first get: they never read the media rows."""
-        return replace(self, mm_positions=None, mm_embeds=None) if self.mm_positions is not None else self
-
-    def batch_kwargs(self) -> dict[str, Any]:
-        return {
-            "cu_seqlens": self.cu_seqlens,
-            "context_lens": self.context_lens,
-            "state_slots": self.state_slots,
-            "block_tables": self.block_tables,
-            "spec_state_slots": self.spec_state_slots,
-        }
+def _plan_to_wire(plan: BatchPlan):
+    """A BatchPlan pickled as one wire bundle (k3ray.actors.wire): far cheaper per call than torch's pickle."""
+    names = tuple(f.name for f in fields(plan))
+    return _plan_from_wire, (names, pack(*(getattr(plan, name) for name in names)))
 
 
-def _step_args_from_wire(names: tuple[str, ...], bundle) -> StepArgs:
-    from k3ray.actors.wire import unpack
+def _plan_from_wire(names: tuple[str, ...], bundle: Bundle) -> BatchPlan:
+    return BatchPlan(**dict(zip(names, unpack(bundle))))
 
-    return StepArgs(**dict(zip(names, unpack(bundle))))
+
+# every pickler in a process that imports this module, Ray's included, sends a BatchPlan to the
+# stages this way (the plan is the engine's type: the core knows nothing of the wire)
+copyreg.pickle(BatchPlan, _plan_to_wire)
 
 
 class StageFailure(RuntimeError):

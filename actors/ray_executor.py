@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from k3ray.actors.protocol import CacheSpec, ParallelConfig, StepArgs
-from k3ray.actors.runner import RayModelRunner
+from k3ray.actors.pipeline_replica import RayModelRunner
+from k3ray.actors.protocol import CacheSpec, ParallelConfig
 from k3ray.config import ModelConfig
 from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
 from k3ray.engine.executor import Executor
@@ -42,11 +42,7 @@ class RayExecutor(Executor):
     def execute(self, plan: StepPlan) -> torch.Tensor:
         assert self.runner is not None, "allocate_cache() first"
         self.runner.copy_states(*_unzip(plan.pre_copies))
-        out = [
-            self.runner.step(StepArgs(b.input_ids, b.cu_seqlens, b.context_lens, b.state_slots, b.block_tables,
-                                      b.logits_indices, b.spec_state_slots, b.mm_positions, b.mm_embeds))
-            for b in plan.batches
-        ]
+        out = [self.runner.step(b) for b in plan.batches]
         self.runner.copy_states(*_unzip(plan.post_copies))
         return torch.cat(out) if out else torch.zeros(0, self.config.vocab_size)
 

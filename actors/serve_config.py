@@ -132,7 +132,7 @@ def deployment_options(args: ServeArgs) -> dict:
     if args.max_queued_requests >= 0:
         options["backpressure_config"] = BackpressureConfig(status_code=429, retry_after_s=args.retry_after_s)
     if args.distributed:
-        from k3ray.actors.runner import actor_bundles
+        from k3ray.actors.pipeline_replica import actor_bundles
         from k3ray.config import ModelConfig
 
         assert args.model is not None, "resolve() the args first"

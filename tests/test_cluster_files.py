@@ -47,7 +47,7 @@ def test_serve_configs_name_the_real_app_and_valid_args():
 
 
 def test_rayservice_gpus_fit_the_planned_layout():
-    from k3ray.actors.runner import actor_bundles
+    from k3ray.actors.pipeline_replica import actor_bundles
     from k3ray.actors.serve_config import ServeArgs
 
     spec = load("kuberay/rayservice.yaml")["spec"]

@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
-from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
+from k3ray.engine.plan import DraftPlan, StepPlan
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.k3 import K3ForCausalLM
 from k3ray.vision.placeholders import splice_media_embeddings
@@ -78,12 +78,6 @@ class LocalExecutor(Executor):
             for cache in self._caches():
                 cache.copy_states(src, dst)
 
-    def _batch(self, b: BatchPlan, cache: ModelCache) -> ForwardBatch:
-        d = self.device
-        spec = None if b.spec_state_slots is None else b.spec_state_slots.to(d)
-        return ForwardBatch(b.cu_seqlens.to(d), b.context_lens.to(d), b.state_slots.to(d),
-                            b.block_tables.to(d), cache, spec)
-
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         self._copy(plan.pre_copies)
@@ -93,11 +87,11 @@ class LocalExecutor(Executor):
             embeds = None
             if b.mm_positions is not None:
                 embeds = splice_media_embeddings(self.model.embed(ids), b.mm_positions, b.mm_embeds)
-            logits = self.model(ids, self._batch(b, self.cache), b.logits_indices.to(self.device), embeds)
+            logits = self.model(ids, b.forward_batch(self.cache, self.device), b.logits_indices.to(self.device), embeds)
             out.append(logits.float().cpu())
             if self.draft_model is not None and b.spec_state_slots is None:
                 none = torch.zeros(0, dtype=torch.long, device=self.device)
-                self.draft_model(ids, self._batch(b, self.draft_cache), none)
+                self.draft_model(ids, b.forward_batch(self.draft_cache, self.device), none)
         self._copy(plan.post_copies)
         if not out:
             return torch.zeros(0, self.model.config.vocab_size)

@@ -1,13 +1,17 @@
 """What crosses the executor boundary: plain CPU tensors and ints, picklable for a Ray executor.
 
-An executor holds the model(s) and the cache pools; the scheduler decides every index.
+An executor holds the model(s) and the cache pools; the scheduler decides every index. A BatchPlan
+goes as is to whatever runs the model (the local executor, each pipeline stage), which reads it
+through `forward_batch`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from k3ray.models.forward_batch import ForwardBatch, ModelCache
 
 
 @dataclass
@@ -39,6 +43,16 @@ class BatchPlan:
     @property
     def num_logits(self) -> int:
         return self.logits_indices.numel()
+
+    def forward_batch(self, cache: ModelCache, device: torch.device | str = "cpu") -> ForwardBatch:
+        """The model's view of this batch over `cache`, its indices on `device`."""
+        spec = None if self.spec_state_slots is None else self.spec_state_slots.to(device)
+        return ForwardBatch(self.cu_seqlens.to(device), self.context_lens.to(device), self.state_slots.to(device),
+                            self.block_tables.to(device), cache, spec)
+
+    def without_media(self) -> BatchPlan:
+        """What pipeline stages after the first get: they never read the media rows."""
+        return self if self.mm_positions is None else replace(self, mm_positions=None, mm_embeds=None)
 
 
 @dataclass

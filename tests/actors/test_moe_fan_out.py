@@ -9,7 +9,7 @@ from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors import router  # noqa: E402
+from k3ray.actors import moe_dispatch  # noqa: E402
 from k3ray.actors.expert_shard import ExpertShard  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,10 +29,10 @@ def model_and_shards(ray_cluster, tiny_checkpoint):
         ray.kill(a)
 
 
-@pytest.mark.parametrize("rows, broadcast_bytes", [(8, router.BROADCAST_BYTES), (8, 0), (300, 0), (1, 0)])
+@pytest.mark.parametrize("rows, broadcast_bytes", [(8, moe_dispatch.BROADCAST_BYTES), (8, 0), (300, 0), (1, 0)])
 def test_fan_out_equals_the_experts_in_one_process(model_and_shards, monkeypatch, rows, broadcast_bytes):
     model, shards = model_and_shards
-    monkeypatch.setattr(router, "BROADCAST_BYTES", broadcast_bytes)
+    monkeypatch.setattr(moe_dispatch, "BROADCAST_BYTES", broadcast_bytes)
     layer = next(i for i in range(model.config.num_layers) if model.config.is_moe_layer(i))
     moe = model.model.layers[str(layer)].block_sparse_moe
     torch.manual_seed(rows)
@@ -41,7 +41,7 @@ def test_fan_out_equals_the_experts_in_one_process(model_and_shards, monkeypatch
         weights, ids = moe.gate(x)  # [T, k]
         h = moe.routed_expert_down_proj(x)  # [T, Dl]
         expected = moe.experts(h, ids, weights)
-    got = router.fan_out(shards, layer, h, ids, weights, timeout_s=60.0)
+    got = moe_dispatch.fan_out(shards, layer, h, ids, weights, timeout_s=60.0)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     # a shard runs the CPU expert path its own rows x experts select (kernels/moe/cpu.py), which
     # may not be the one the whole layer selects: the same products, but summed by other GEMM

@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 
 from k3ray.actors.protocol import ParallelConfig  # noqa: E402
 from k3ray.actors.ray_executor import RayExecutor  # noqa: E402
-from k3ray.actors.runner import actor_bundles  # noqa: E402
+from k3ray.actors.pipeline_replica import actor_bundles  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=40, block_size=8, num_blocks=96, snapshot_interval=1)

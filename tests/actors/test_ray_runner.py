@@ -5,13 +5,14 @@ import time
 import pytest
 import torch
 
-from k3ray.models.forward_batch import ForwardBatch, ModelCache
+from k3ray.engine.plan import BatchPlan
+from k3ray.models.forward_batch import ModelCache
 from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure, StepArgs  # noqa: E402
-from k3ray.actors.runner import RayModelRunner  # noqa: E402
+from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure  # noqa: E402
+from k3ray.actors.pipeline_replica import RayModelRunner  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 BS = 8
@@ -23,8 +24,8 @@ ON_NODES = dict(stage_resources={"CPU": 1, "stage_node": 1}, shard_resources={"C
 def steps(ids: torch.Tensor, chunks: list[int], slot: int = 0):
     pos = 0
     for n in chunks:
-        yield StepArgs(ids[pos : pos + n], torch.tensor([0, n]), torch.tensor([pos + n]), torch.tensor([slot]),
-                       torch.arange(8)[None])
+        yield BatchPlan(ids[pos : pos + n], torch.tensor([0, n]), torch.tensor([pos + n]), torch.tensor([slot]),
+                        torch.arange(8)[None], logits_indices=torch.arange(n))
         pos += n
 
 
@@ -33,7 +34,7 @@ def local_logits(model, step_list):
     out = []
     with torch.no_grad():
         for s in step_list:
-            out.append(model(s.input_ids, ForwardBatch(**s.batch_kwargs(), cache=cache)))
+            out.append(model(s.input_ids, s.forward_batch(cache)))
     return out
 
 

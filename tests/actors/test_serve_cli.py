@@ -18,7 +18,7 @@ import yaml
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.runner import actor_bundles  # noqa: E402
+from k3ray.actors.pipeline_replica import actor_bundles  # noqa: E402
 from k3ray.actors.serve_config import ServeArgs, deployment_options  # noqa: E402
 from k3ray.actors.serve_engine import engine_config  # noqa: E402
 from k3ray.actors import serve_cli as serve_cmd  # noqa: E402

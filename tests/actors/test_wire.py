@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from k3ray.actors import wire
-from k3ray.actors.protocol import StepArgs
+from k3ray.actors import protocol  # noqa: F401 - registers BatchPlan's wire pickling
 from k3ray.actors.wire import pack, pack_raw, unpack, unpack_raw, unpack_tagged
+from k3ray.engine.plan import BatchPlan
+
+ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]
@@ -69,14 +72,20 @@ def test_small_bundles_are_one_bytes_object():
     assert bundle[base:] == torch.ones(4).numpy().tobytes()
 
 
-def test_step_args_pickle_as_one_bundle():
-    step = StepArgs(torch.arange(5), torch.tensor([0, 5]), torch.tensor([5]), torch.tensor([1]),
-                    torch.arange(4)[None], logits_indices=torch.tensor([4]),
-                    mm_embeds=torch.randn(2, 3, dtype=torch.bfloat16), mm_positions=torch.tensor([1, 2]))
-    back = pickle.loads(pickle.dumps(step))
+@pytest.mark.parametrize("pickler", [pickle, ray_cloudpickle], ids=["pickle", "ray"])
+def test_batch_plans_pickle_as_one_bundle(pickler):
+    """The engine's BatchPlan goes to the stages as is; importing the protocol makes every pickler,
+    Ray's included, send it as one wire bundle."""
+    plan = BatchPlan(torch.arange(5), torch.tensor([0, 5]), torch.tensor([5]), torch.tensor([1]),
+                     torch.arange(4)[None], logits_indices=torch.tensor([4]),
+                     mm_embeds=torch.arange(6.0).view(2, 3).bfloat16(), mm_positions=torch.tensor([1, 2]))
+    data = pickler.dumps(plan)
+    assert b"_plan_from_wire" in data and b"torch" not in data  # one bundle, no pickled tensor
+    back = pickler.loads(data)
+    assert isinstance(back, BatchPlan)
     for name in ("input_ids", "cu_seqlens", "context_lens", "state_slots", "block_tables", "logits_indices",
                  "mm_positions", "mm_embeds"):
-        assert torch.equal(getattr(back, name), getattr(step, name)), name
+        assert torch.equal(getattr(back, name), getattr(plan, name)), name
     assert back.spec_state_slots is None
 
 

@@ -18,13 +18,15 @@ from ray.util.placement_group import placement_group as ray_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from k3ray.actors.expert_shard import ExpertShard
-from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure, StepArgs
+from k3ray.actors.moe_dispatch import ShardMap
+from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure
 from k3ray.actors.router import MoERouter
-from k3ray.actors.wire import unpack
 from k3ray.actors.stage import PipelineStage
 from k3ray.actors.vision_encoder import VisionEncoder
+from k3ray.actors.wire import unpack
 from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
+from k3ray.engine.plan import BatchPlan
 from k3ray.vision import has_vision_weights
 
 
@@ -33,7 +35,7 @@ class _StageGroup:
     layers: tuple[int, int]
     stage: "ray.actor.ActorHandle"
     router: "ray.actor.ActorHandle | None"
-    shards: list[tuple[int, int, "ray.actor.ActorHandle"]]
+    shards: ShardMap
 
 
 def actor_bundles(config: ModelConfig, parallel: ParallelConfig) -> tuple[list[dict[str, float]], list[tuple]]:
@@ -112,8 +114,7 @@ class RayModelRunner:
                 ).remote(shards, self.config.num_experts, parallel.call_timeout_s, parallel.torch_threads)
             stage = ray.remote(PipelineStage).options(
                 **opts(index[("stage", s, None)], parallel.stage_resources)
-            ).remote(checkpoint, layers, cache, router, parallel.call_timeout_s, parallel.torch_threads,
-                     parallel.moe_dispatch)
+            ).remote(checkpoint, layers, cache, router, parallel)
             self.groups.append(_StageGroup(layers, stage, router, shards))
         if ("vision", 0, None) in index and has_vision_weights(checkpoint):
             self.vision = ray.remote(VisionEncoder).options(
@@ -141,11 +142,11 @@ class RayModelRunner:
             raise StageFailure(f"model actors did not start: {e}") from e
         return {name: info["node_id"] for (name, _), info in zip(named, infos)}
 
-    def step(self, step: StepArgs) -> torch.Tensor:
-        """Run one step through every stage -> logits [rows, V] fp32."""
+    def step(self, plan: BatchPlan) -> torch.Tensor:
+        """Run one batch through every stage -> logits [len(plan.logits_indices), V] fp32."""
         ref = None
         for s, g in enumerate(self.groups):
-            ref = g.stage.forward.remote(step if s == 0 else step.without_media(), ref)
+            ref = g.stage.forward.remote(plan if s == 0 else plan.without_media(), ref)
         return unpack(self._get(ref, "model step"))[0]
 
     def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
