@@ -79,22 +79,18 @@ def test_gate_matches_fla_lower_bound_gate_with_padded_a_log():
     assert bool((g >= -5).all() and (g <= 0).all())  # sigmoid saturates to the bounds in fp32
 
 
-def test_naive_recurrent_matches_transformers_recurrent():
-    q, k, v, g, beta, S0 = _inputs(2, 29, 2, 16, 16, seed=5)
-    q_raw, k_raw = _unnormalised(2, 29, 2, 16)
-    o, S = naive_recurrent_kda(l2norm(q_raw), l2norm(k_raw), v, g, beta, initial_state=S0, output_final_state=True)
-    o_ref, S_ref = hf_kimi.recurrent_kimi_delta_attention.__wrapped__(
-        q_raw, k_raw, v, g, beta, initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=True
-    )
-    assert_close("o", o_ref, o, FP32_RATIO)
-    assert_close("state", S_ref, S, FP32_RATIO)
-
-
-def test_naive_chunk_matches_transformers_chunk():
-    q, k, v, g, beta, S0 = _inputs(1, 80, 2, 16, 16, seed=6)
-    q_raw, k_raw = _unnormalised(1, 80, 2, 16, seed=7)
-    o, S = naive_chunk_kda(l2norm(q_raw), l2norm(k_raw), v, g, beta, initial_state=S0, output_final_state=True)
-    o_ref, S_ref = hf_kimi.chunk_kimi_delta_attention.__wrapped__(
+@pytest.mark.parametrize(
+    "naive, oracle, B, T, seeds",
+    [
+        pytest.param(naive_recurrent_kda, "recurrent_kimi_delta_attention", 2, 29, (5, 1), id="recurrent"),
+        pytest.param(naive_chunk_kda, "chunk_kimi_delta_attention", 1, 80, (6, 7), id="chunk"),
+    ],
+)
+def test_naive_matches_transformers(naive, oracle, B, T, seeds):
+    q, k, v, g, beta, S0 = _inputs(B, T, 2, 16, 16, seed=seeds[0])
+    q_raw, k_raw = _unnormalised(B, T, 2, 16, seed=seeds[1])
+    o, S = naive(l2norm(q_raw), l2norm(k_raw), v, g, beta, initial_state=S0, output_final_state=True)
+    o_ref, S_ref = getattr(hf_kimi, oracle).__wrapped__(
         q_raw, k_raw, v, g, beta, initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
     assert_close("o", o_ref, o, FP32_RATIO)
