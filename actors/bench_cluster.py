@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     from k3ray.actors.moe_dispatch import fan_out, split
     from k3ray.actors.pipeline_replica import RayModelRunner
     from k3ray.actors.protocol import CacheSpec
+    from k3ray.actors.ray_connect import connect  # ray.init off the repository root
     from k3ray.actors.wire import pack, unpack_raw
     from k3ray.default_model import default_checkpoint_dir
     from k3ray.models.forward_batch import ModelCache
@@ -105,9 +106,9 @@ def run(args: argparse.Namespace) -> dict:
             local(a.input_ids, a.forward_batch(local_cache))
 
     if args.address:
-        ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+        connect(address=args.address, include_dashboard=False, log_to_driver=False)
     else:
-        ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+        connect(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     try:
         parallel = ParallelConfig(args.pipeline, args.expert_parallel, moe_dispatch=args.moe_dispatch)
         runner = RayModelRunner(ckpt, parallel, spec)

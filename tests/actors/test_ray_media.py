@@ -17,6 +17,7 @@ from k3ray.vision import load_vision
 from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
+from k3ray.actors.ray_connect import connect  # noqa: E402  ray.init off the repository root
 
 from k3ray.actors.protocol import ParallelConfig  # noqa: E402
 from k3ray.actors.ray_executor import RayExecutor  # noqa: E402
@@ -32,7 +33,7 @@ def local_ray():
     """A private single-node Ray on loopback (or the session's cluster if one is up)."""
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+        connect(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()
