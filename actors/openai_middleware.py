@@ -10,7 +10,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k3ray.actors.openai_errors import APIError
 
-DEFAULT_MAX_BODY_BYTES = 64 * 1024**2
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no key
 
 

@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from k3ray.actors.openai_chat import create_chat_completion
 from k3ray.actors.openai_completions import create_completion
 from k3ray.actors.openai_errors import APIError, bad_request, install_error_handlers
-from k3ray.actors.openai_middleware import DEFAULT_MAX_BODY_BYTES, APIKeyMiddleware, BodyLimitMiddleware
+from k3ray.actors.openai_middleware import APIKeyMiddleware, BodyLimitMiddleware
 from k3ray.actors.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from k3ray.actors.openai_serving import OpenAIServing
+from k3ray.actors.serve_config import DEFAULT_MAX_BODY_BYTES
 
 HealthCheck = Callable[[], Awaitable[tuple[bool, str]]]
 

@@ -1,13 +1,14 @@
 """The Ray Serve deployment: one replica = one model pipeline behind the OpenAI routes.
 
-    serve run k3ray.actors.serve_app:build_app model=/path/to/ckpt max_replicas=2
-    serve.run(build_app({"model": "/path/to/ckpt", "pipeline": 2}))
+    k3ray serve --model /path/to/ckpt --max-replicas 2 --print-config > app.yaml; serve run app.yaml
+    serve.run(build_app({"model": {"model": "/path/to/ckpt"}, "parallel": {"pipeline": 2}}))
 
-`build_app(args)` is the Serve import path; args are ServeArgs fields. A replica with pipeline or
-expert_parallel > 1 declares its placement-group bundles up front, so its stages, routers and
-expert shards are reserved, started and released together with it. An undistributed model runs in
-an engine process of the replica's own (EngineClient; `engine_process=False`: in the replica's
-process), so the model's steps and Serve's request handling do not take turns on one GIL.
+`build_app(args)` is the Serve import path; args are ServeArgs' nested groups. A replica with
+pipeline or expert_parallel > 1 declares its placement-group bundles up front, so its stages,
+routers and expert shards are reserved, started and released together with it. An undistributed
+model runs in an engine process of the replica's own (EngineClient; `engine.engine_process=False`:
+in the replica's process), so the model's steps and Serve's request handling do not take turns on
+one GIL.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ray.serve import Application
 
 from k3ray.actors.openai_routes import build_openai_app
 from k3ray.actors.openai_serving import OpenAIServing
-from k3ray.actors.serve_config import ServeArgs, deployment_options
+from k3ray.actors.serve_config import ServeArgs, resources
 from k3ray.actors.serve_engine import build_engine, local_engine
 from k3ray.actors.serve_metrics import ServeMetrics
 from k3ray.engine.async_engine import AsyncEngine
@@ -40,23 +41,23 @@ class K3Server:
         self.args = ServeArgs.model_validate(args)
         self.executor = None
         self.engine: AsyncEngine | EngineClient
-        if self.args.engine_process and not self.args.distributed:
+        if self.args.engine.engine_process and not self.args.distributed:
             self.engine = await asyncio.to_thread(EngineClient.start, functools.partial(local_engine, self.args))
-            tokenizer = await asyncio.to_thread(load_tokenizer, self.args.model)
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.args.model.model)
         else:
             placement_group = ray.util.get_current_placement_group() if self.args.distributed else None
             engine, self.executor = await asyncio.to_thread(build_engine, self.args, placement_group)
             self.engine, tokenizer = AsyncEngine(engine), engine.tokenizer
         expert_load = getattr(self.executor, "expert_load", None)
-        self.metrics = ServeMetrics(self.args.served_model_name, self.engine.get_stats, expert_load)
-        self.serving = OpenAIServing(self.engine, tokenizer, self.args.served_model_name, self.metrics)
-        logger.info("K3Server ready: %s, max_model_len %d, %s", self.args.served_model_name,
+        self.metrics = ServeMetrics(self.args.server.served_model_name, self.engine.get_stats, expert_load)
+        self.serving = OpenAIServing(self.engine, tokenizer, self.args.server.served_model_name, self.metrics)
+        logger.info("K3Server ready: %s, max_model_len %d, %s", self.args.server.served_model_name,
                     self.engine.info.max_model_len, type(self.executor or self.engine).__name__)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.serving, metrics=self.metrics, health=self.health,
-                                api_key=self.args.api_key or os.environ.get("K3RAY_API_KEY") or None,
-                                max_body_bytes=self.args.max_body_bytes)
+                                api_key=self.args.server.api_key or os.environ.get("K3RAY_API_KEY") or None,
+                                max_body_bytes=self.args.server.max_body_bytes)
 
     async def health(self) -> tuple[bool, str]:
         """A local model is healthy while the replica answers (and its engine process lives); a Ray
@@ -83,6 +84,32 @@ class K3Server:
         shutdown = getattr(getattr(self, "executor", None), "shutdown", None)
         if shutdown is not None:
             await asyncio.to_thread(shutdown)
+
+
+def deployment_options(args: ServeArgs) -> dict:
+    """Options for `K3Server.options(...)`; args must be resolved (a checkpoint path is needed to
+    size a distributed replica's placement group)."""
+    from ray.serve.config import BackpressureConfig
+
+    scaling, server, parallel = args.autoscaling, args.server, args.parallel
+    options = {
+        "autoscaling_config": scaling.model_dump(exclude_none=True),  # Serve's AutoscalingConfig fields
+        "max_ongoing_requests": server.max_ongoing_requests or args.engine.max_num_seqs,
+        "max_queued_requests": server.max_queued_requests,
+        "ray_actor_options": {"num_cpus": parallel.replica_cpus, "num_gpus": parallel.replica_gpus},
+    }
+    if server.max_queued_requests >= 0:
+        options["backpressure_config"] = BackpressureConfig(status_code=429, retry_after_s=server.retry_after_s)
+    if args.distributed:
+        from k3ray.actors.pipeline_replica import actor_bundles
+        from k3ray.config import ModelConfig
+
+        assert args.model.model is not None, "resolve() the args first"
+        config = ModelConfig.from_json_file(os.path.join(args.model.model, "config.json"))
+        bundles, _ = actor_bundles(config, args.parallel_config())
+        options["placement_group_bundles"] = [resources(parallel.replica_cpus, parallel.replica_gpus)] + bundles
+        options["placement_group_strategy"] = parallel.placement_strategy
+    return options
 
 
 def build_app(args: dict) -> Application:

@@ -1,6 +1,8 @@
-"""The app's arguments (`k3ray serve` flags, the `args:` of a Serve config YAML) and the Serve
-deployment options they imply: autoscaling, the bounded queue (429), and for a pipeline or expert
-split the replica's placement-group bundles (its own bundle first, then one per model actor)."""
+"""The settings of `k3ray serve`, defined once. ServeArgs is the app's args (the `args:` of a Serve
+config YAML) in groups; LaunchSettings is where `k3ray serve` itself runs the app (Ray, the HTTP
+port). The flags and their help (serve_flags.py) and the Serve config YAML (serve_yaml.py) are
+generated from these fields. Every group is strict and frozen: an unknown key is an error, so a
+typo never goes unnoticed."""
 
 from __future__ import annotations
 
@@ -9,139 +11,173 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from k3ray.actors.openai_middleware import DEFAULT_MAX_BODY_BYTES
+APP_NAME = "k3ray"
+IMPORT_PATH = "k3ray.actors.serve_app:build_app"  # the Serve app builder
+DEFAULT_MAX_BODY_BYTES = 64 * 1024**2
+Ingress = Literal["haproxy", "proxy"]
+DEFAULT_INGRESS: Ingress = "haproxy"
 
 
-class ServeArgs(BaseModel):
-    """Every option of one deployed model; unknown keys are an error (a typo never goes unnoticed)."""
-
+class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # model
-    model: str | None = Field(None, description="checkpoint directory; None = the default tiny K3")
-    served_model_name: str | None = Field(None, description="the model id clients send; default: the folder name")
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    # one replica = one model pipeline
-    pipeline: int = Field(1, ge=1)
-    expert_parallel: int = Field(1, ge=1)
-    replica_cpus: float = Field(1.0, gt=0)
-    stage_cpus: float = Field(1.0, gt=0)
-    shard_cpus: float = Field(1.0, gt=0)
-    router_cpus: float = Field(0.5, gt=0)
-    stage_gpus: float = Field(0, ge=0, description="GPUs per pipeline-stage actor (0 on CPU clusters)")
-    shard_gpus: float = Field(0, ge=0, description="GPUs per expert-shard actor")
-    replica_gpus: float = Field(0, ge=0, description="GPUs of the replica itself (a local, undistributed model)")
+
+class ServerSettings(Settings):
+    """The HTTP side: the model id, auth, body size, and admission (at most max_ongoing_requests
+    per replica, then a bounded queue, then 429)."""
+
+    served_model_name: str | None = Field(
+        None, description="the model id clients send; null = the checkpoint folder name")
+    api_key: str | None = Field(
+        None, description="require `Authorization: Bearer <key>`; null = $K3RAY_API_KEY (none if unset)")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger request bodies get 413")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="requests per replica at once; null = engine max_num_seqs")
+    max_queued_requests: int = Field(256, ge=-1, description="requests waiting for a replica, then 429; -1 = no bound")
+    retry_after_s: float = Field(1.0, ge=0, description="Retry-After of a 429")
+
+
+class ModelSettings(Settings):
+    """The checkpoint and its dtype."""
+
+    model: str | None = Field(
+        None, description="checkpoint directory, visible on every node; null = the tiny K3, made on first use")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and activations")
+
+
+class ParallelSettings(Settings):
+    """One replica = one model pipeline; pipeline or expert_parallel > 1 runs stages, routers and
+    expert shards as Ray actors in the replica's placement group (its own bundle first)."""
+
+    pipeline: int = Field(1, ge=1, description="pipeline stages per replica (> 1: Ray actors)")
+    expert_parallel: int = Field(1, ge=1, description="expert shards per stage (> 1: Ray actors)")
+    replica_cpus: float = Field(1.0, gt=0, description="CPUs of the replica itself")
+    stage_cpus: float = Field(1.0, gt=0, description="CPUs per pipeline-stage actor")
+    shard_cpus: float = Field(1.0, gt=0, description="CPUs per expert-shard actor")
+    router_cpus: float = Field(0.5, gt=0, description="CPUs per stage's router actor")
+    stage_gpus: float = Field(0.0, ge=0, description="GPUs per pipeline-stage actor (0 on CPU clusters)")
+    shard_gpus: float = Field(0.0, ge=0, description="GPUs per expert-shard actor")
+    replica_gpus: float = Field(0.0, ge=0, description="GPUs of the replica itself (a local, undistributed model)")
     vision_cpus: float = Field(0.5, gt=0, description="CPUs of a pipeline replica's VisionEncoder actor")
-    vision_gpus: float = Field(0, ge=0)
-    # media in chat requests
-    allow_remote_media_urls: bool = Field(False, description="fetch http(s) image/video URLs (off: data: URLs only)")
-    max_media_bytes: int | None = Field(None, ge=1, description="per media item; default 64 MiB")
-    max_media_per_prompt: int = Field(128, ge=0)
-    media_fetch_timeout_s: float = Field(10.0, gt=0)
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    vision_gpus: float = Field(0.0, ge=0, description="GPUs of a pipeline replica's VisionEncoder actor")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how the replica's placement group spreads over nodes")
     moe_dispatch: Literal["router", "direct", "compiled"] = Field(
-        "direct", description="MoE rows from each stage straight to its shards by actor calls, through the stage's "
-        "router actor, or through a Ray Compiled Graph")
-    torch_threads: int | None = Field(None, ge=1)
-    engine_process: bool = Field(
-        True, description="run an undistributed model's engine in its own process (no GIL shared with HTTP work)")
-    # autoscaling (Serve's AutoscalingConfig)
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    initial_replicas: int | None = Field(None, ge=0)
-    target_ongoing_requests: float = Field(2.0, gt=0)
-    upscale_delay_s: float = Field(30.0, ge=0)
-    downscale_delay_s: float = Field(600.0, ge=0)
-    metrics_interval_s: float = Field(10.0, gt=0)
-    look_back_period_s: float = Field(30.0, gt=0)
-    # admission
-    max_ongoing_requests: int | None = Field(None, ge=1, description="per replica; default max_num_seqs")
-    max_queued_requests: int = Field(256, ge=-1, description="requests waiting for a replica, then 429; -1: no bound")
-    retry_after_s: float = Field(1.0, ge=0)
-    api_key: str | None = Field(None, description="require `Authorization: Bearer <key>`; default $K3RAY_API_KEY")
-    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)
-    # engine (EngineConfig)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    block_size: int = Field(16, ge=1)
-    cache_memory_mb: float | None = Field(None, gt=0)
-    enable_prefix_caching: bool = True
+        "direct", description="MoE rows from each stage straight to its shards by actor calls (direct), through "
+        "the stage's router actor (router) or through a Ray Compiled Graph (compiled)")
+
+
+class EngineSettings(Settings):
+    """The replica's engine: batching, the cache, speculative decoding, its process."""
+
+    max_num_seqs: int = Field(64, ge=1, description="sequences per batch")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per step")
+    max_model_len: int | None = Field(None, ge=2, description="context limit; null = what the cache holds")
+    block_size: int = Field(16, ge=1, description="MLA cache block size (tokens)")
+    cache_memory_mb: float | None = Field(
+        None, gt=0, description="cache memory per replica; null = the engine's default")
+    enable_prefix_caching: bool = Field(True, description="reuse the cache of a shared prompt prefix")
     speculative_ngram: int = Field(0, ge=0, description="draft tokens per step by n-gram lookup; 0 = off")
-    seed: int = 0
+    seed: int = Field(0, description="sampling seed of requests without their own")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch threads of the replica's model; null = torch's default")
+    engine_process: bool = Field(True, description="run an undistributed model's engine in its own process (no GIL "
+                                 "shared with HTTP work)")
+
+
+class AutoscalingSettings(Settings):
+    """Serve's autoscaling: whole pipelines are added and removed."""
+
+    min_replicas: int = Field(1, ge=0, description="fewest replicas")
+    max_replicas: int = Field(1, ge=1, description="most replicas (= min_replicas: no autoscaling)")
+    initial_replicas: int | None = Field(None, ge=0, description="replicas at start; null = min_replicas")
+    target_ongoing_requests: float = Field(2.0, gt=0, description="ongoing requests per replica autoscaling aims at")
+    upscale_delay_s: float = Field(30.0, ge=0, description="load above target this long adds replicas")
+    downscale_delay_s: float = Field(600.0, ge=0, description="load below target this long removes replicas")
+    metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas report their load")
+    look_back_period_s: float = Field(30.0, gt=0, description="window the reported load is averaged over")
 
     @model_validator(mode="after")
-    def _check(self) -> ServeArgs:
+    def _check(self) -> AutoscalingSettings:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError(f"initial_replicas={self.initial_replicas} is outside [min_replicas, max_replicas]")
         return self
 
+
+class MediaSettings(Settings):
+    """Images and videos in chat requests (a checkpoint with a vision tower)."""
+
+    allow_remote_media_urls: bool = Field(False, description="fetch http(s) image/video URLs (off: data: URLs only)")
+    max_media_bytes: int | None = Field(None, ge=1, description="bytes per media item; null = the checkpoint's "
+                                        "media config")
+    max_media_per_prompt: int = Field(128, ge=0, description="media items per prompt")
+    media_fetch_timeout_s: float = Field(10.0, gt=0, description="per remote media URL")
+
+
+class ServeArgs(Settings):
+    """Every setting of one deployed model, in groups; a group or field left out takes its default."""
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    parallel: ParallelSettings = Field(default_factory=ParallelSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    media: MediaSettings = Field(default_factory=MediaSettings)
+
     @property
     def distributed(self) -> bool:
         """Whether the model runs as Ray actors (pipeline stages / expert shards) beside the replica."""
-        return self.pipeline > 1 or self.expert_parallel > 1
+        return self.parallel.pipeline > 1 or self.parallel.expert_parallel > 1
 
     def resolved(self) -> ServeArgs:
         """The checkpoint path and model name filled in (the default checkpoint is written on first use)."""
-        model = self.model
-        if model is None:
+        path = self.model.model
+        if path is None:
             from k3ray.default_model import default_checkpoint_dir
 
-            model = default_checkpoint_dir()
-        model = os.path.abspath(os.path.expanduser(model))
-        name = self.served_model_name or os.path.basename(model.rstrip("/"))
-        return self.model_copy(update={"model": model, "served_model_name": name})
+            path = default_checkpoint_dir()
+        path = os.path.abspath(os.path.expanduser(path))
+        name = self.server.served_model_name or os.path.basename(path.rstrip("/"))
+        return self.model_copy(update={"model": self.model.model_copy(update={"model": path}),
+                                       "server": self.server.model_copy(update={"served_model_name": name})})
 
     def parallel_config(self):
         from k3ray.actors.protocol import ParallelConfig
 
+        p = self.parallel
         return ParallelConfig(
-            pipeline=self.pipeline, expert_parallel=self.expert_parallel,
-            stage_resources=_resources(self.stage_cpus, self.stage_gpus),
-            shard_resources=_resources(self.shard_cpus, self.shard_gpus),
-            router_resources={"CPU": self.router_cpus}, placement_strategy=self.placement_strategy,
-            moe_dispatch=self.moe_dispatch,
-            vision_resources=_resources(self.vision_cpus, self.vision_gpus),
+            pipeline=p.pipeline, expert_parallel=p.expert_parallel,
+            stage_resources=resources(p.stage_cpus, p.stage_gpus),
+            shard_resources=resources(p.shard_cpus, p.shard_gpus),
+            router_resources={"CPU": p.router_cpus}, placement_strategy=p.placement_strategy,
+            moe_dispatch=p.moe_dispatch,
+            vision_resources=resources(p.vision_cpus, p.vision_gpus),
         )
 
 
-def deployment_options(args: ServeArgs) -> dict:
-    """Options for `K3Server.options(...)`; args must be resolved (a checkpoint path is needed to
-    size a distributed replica's placement group)."""
-    from ray.serve.config import BackpressureConfig
+class LaunchSettings(Settings):
+    """Where `k3ray serve` runs the app (not app args): Ray, and the HTTP address a Serve config
+    YAML holds as http_options."""
 
-    autoscaling = {
-        "min_replicas": args.min_replicas,
-        "max_replicas": args.max_replicas,
-        "target_ongoing_requests": args.target_ongoing_requests,
-        "upscale_delay_s": args.upscale_delay_s,
-        "downscale_delay_s": args.downscale_delay_s,
-        "metrics_interval_s": args.metrics_interval_s,
-        "look_back_period_s": args.look_back_period_s,
-    }
-    if args.initial_replicas is not None:
-        autoscaling["initial_replicas"] = args.initial_replicas
-    options = {
-        "autoscaling_config": autoscaling,
-        "max_ongoing_requests": args.max_ongoing_requests or args.max_num_seqs,
-        "max_queued_requests": args.max_queued_requests,
-        "ray_actor_options": {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
-    }
-    if args.max_queued_requests >= 0:
-        options["backpressure_config"] = BackpressureConfig(status_code=429, retry_after_s=args.retry_after_s)
-    if args.distributed:
-        from k3ray.actors.pipeline_replica import actor_bundles
-        from k3ray.config import ModelConfig
+    host: str = Field("127.0.0.1", description="bind address; 127.0.0.1 = this machine only, 0.0.0.0 = the network")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
+    ingress: Ingress | None = Field(
+        None, description=f"HTTP in front of the replicas of a local Ray instance: HAProxy, each replica streaming "
+        f"from its own HTTP server (haproxy), or Serve's proxy actor (proxy); null = {DEFAULT_INGRESS}; a joined "
+        "cluster keeps its own (RAY_SERVE_ENABLE_HA_PROXY on its nodes)")
+    num_cpus: float | None = Field(None, gt=0, description="CPUs of the local Ray instance; null = all")
 
-        assert args.model is not None, "resolve() the args first"
-        config = ModelConfig.from_json_file(os.path.join(args.model, "config.json"))
-        bundles, _ = actor_bundles(config, args.parallel_config())
-        options["placement_group_bundles"] = [_resources(args.replica_cpus, args.replica_gpus)] + bundles
-        options["placement_group_strategy"] = args.placement_strategy
-    return options
+    @model_validator(mode="after")
+    def _check(self) -> LaunchSettings:
+        if self.address is not None and self.ingress is not None:
+            raise ValueError("ingress applies to the local Ray instance k3ray serve starts; a cluster joined at an "
+                             "address keeps the ingress its nodes started with (RAY_SERVE_ENABLE_HA_PROXY)")
+        return self
 
 
-def _resources(cpus: float, gpus: float) -> dict[str, float]:
+def resources(cpus: float, gpus: float) -> dict[str, float]:
+    """A Ray resource dict (no GPU key without GPUs)."""
     return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}

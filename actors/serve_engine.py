@@ -18,25 +18,26 @@ from k3ray.engine.media_inputs import MultiModalConfig, load_media_config
 
 
 def engine_config(args: ServeArgs) -> EngineConfig:
-    spec = SpeculativeConfig("ngram", args.speculative_ngram) if args.speculative_ngram else None
-    cache_bytes = None if args.cache_memory_mb is None else int(args.cache_memory_mb * 1024**2)
+    e = args.engine
+    spec = SpeculativeConfig("ngram", e.speculative_ngram) if e.speculative_ngram else None
+    cache_bytes = None if e.cache_memory_mb is None else int(e.cache_memory_mb * 1024**2)
     return EngineConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, block_size=args.block_size, cache_memory_bytes=cache_bytes,
-        enable_prefix_caching=args.enable_prefix_caching, speculative=spec, seed=args.seed,
+        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+        max_model_len=e.max_model_len, block_size=e.block_size, cache_memory_bytes=cache_bytes,
+        enable_prefix_caching=e.enable_prefix_caching, speculative=spec, seed=e.seed,
     )
 
 
 def multimodal_config(args: ServeArgs, vision: VisionConfig) -> MultiModalConfig:
     """Media preprocessing (the checkpoint's preprocessor_config.json, or the tower's defaults) and
     the server's media limits."""
-    max_bytes = getattr(args, "max_media_bytes", None)
-    media = load_media_config(args.model, vision, **({} if max_bytes is None else {"max_input_bytes": max_bytes}))
+    m = args.media
+    limit = {} if m.max_media_bytes is None else {"max_input_bytes": m.max_media_bytes}
     return MultiModalConfig(
-        media=media,
-        max_items_per_prompt=getattr(args, "max_media_per_prompt", MultiModalConfig.max_items_per_prompt),
-        allow_remote_urls=getattr(args, "allow_remote_media_urls", False),
-        fetch_timeout_s=getattr(args, "media_fetch_timeout_s", MultiModalConfig.fetch_timeout_s),
+        media=load_media_config(args.model.model, vision, **limit),
+        max_items_per_prompt=m.max_media_per_prompt,
+        allow_remote_urls=m.allow_remote_media_urls,
+        fetch_timeout_s=m.media_fetch_timeout_s,
     )
 
 
@@ -46,25 +47,26 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
     from k3ray.vision import has_vision_weights, load_vision
     from k3ray.weights import load_model
 
-    assert args.model is not None, "resolve() the args first"
-    if args.torch_threads is not None:
-        torch.set_num_threads(args.torch_threads)
-    dtype = getattr(torch, args.dtype)
-    tokenizer = load_tokenizer(args.model)
+    path = args.model.model
+    assert path is not None, "resolve() the args first"
+    if args.engine.torch_threads is not None:
+        torch.set_num_threads(args.engine.torch_threads)
+    dtype = getattr(torch, args.model.dtype)
+    tokenizer = load_tokenizer(path)
     executor: Executor
     vision_encoder: VisionEncoderFn | None = None
     if args.distributed:
         from k3ray.actors.ray_executor import RayExecutor
 
         offset = 0 if placement_group is None else 1
-        executor = RayExecutor(args.model, args.parallel_config(), dtype, placement_group, bundle_offset=offset)
+        executor = RayExecutor(path, args.parallel_config(), dtype, placement_group, bundle_offset=offset)
         if executor.has_vision:
             vision_encoder = executor.encode_media
     else:
-        model = load_model(args.model, dtype=dtype)
+        model = load_model(path, dtype=dtype)
         executor = LocalExecutor(model)
-        if model.config.vision is not None and has_vision_weights(args.model):
-            vision_encoder = local_vision_encoder(load_vision(args.model, dtype))
+        if model.config.vision is not None and has_vision_weights(path):
+            vision_encoder = local_vision_encoder(load_vision(path, dtype))
     vision = executor.cache_layout()[0][0].vision
     multimodal = multimodal_config(args, vision) if vision_encoder is not None else None
     try:

@@ -1,6 +1,6 @@
 """Start Ray and Serve, deploy the app, stop them again: what `k3ray serve` and the tests share.
 
-    url = deploy(args, host="127.0.0.1", port=8000)   # after start_ray()
+    url = deploy({"engine": {"max_num_seqs": 8}}, host="127.0.0.1", port=8000)   # after start_ray()
     ...
     stop()
 """
@@ -12,17 +12,17 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+from typing import get_args
 
 import ray
 from ray import serve
 
 from k3ray.actors.serve_app import build_app
+from k3ray.actors.serve_config import APP_NAME, DEFAULT_INGRESS, Ingress
 
-APP_NAME = "k3ray"
 # haproxy: HAProxy on the port, streaming straight from each replica's own HTTP server (Serve's
 # direct ingress); proxy: Serve's Python proxy actor, every request and chunk an actor call
-INGRESS_MODES = ("haproxy", "proxy")
-DEFAULT_INGRESS = "haproxy"
+INGRESS_MODES: tuple[str, ...] = get_args(Ingress)
 DRAIN_S = "2"  # a stopping replica's hold-open for HAProxy to drop it (Ray's default 30 is for cloud LBs)
 
 
@@ -81,9 +81,9 @@ def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init
 
 def deploy(args: dict, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME,
            route_prefix: str = "/", proxy_location: str = "EveryNode") -> str:
-    """Start Serve's HTTP proxies on host:port (if not running) and deploy the app; returns its URL
-    once every replica is up (raises if the app fails to deploy). Nodes sharing one machine (a
-    test cluster) need proxy_location="HeadOnly"."""
+    """Start Serve's HTTP proxies on host:port (if not running) and deploy the app (args: ServeArgs'
+    nested groups); returns its URL once every replica is up (raises if the app fails to deploy).
+    Nodes sharing one machine (a test cluster) need proxy_location="HeadOnly"."""
     serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
     shown = f"[{host}]" if ":" in host else host

@@ -46,6 +46,32 @@ def test_serve_configs_name_the_real_app_and_valid_args():
     assert load("serve-config.yaml")["http_options"]["host"] == "127.0.0.1"  # local default: loopback only
 
 
+def documented_command(config: str) -> list[str]:
+    """The `k3ray serve ... --print-config` a generated Serve config names in its header."""
+    lines = config.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("#   k3ray serve "))
+    words = []
+    for line in lines[start:]:
+        words += shlex.split(line.removeprefix("#").removesuffix("\\"))
+        if not line.endswith("\\"):
+            break
+    assert words[:2] == ["k3ray", "serve"] and words[-1] == "--print-config", words
+    return words[1:]
+
+
+@pytest.mark.parametrize("source", ["serve-config.yaml", "kuberay/rayservice.yaml"])
+def test_serve_configs_are_what_their_command_prints(source, capsys, monkeypatch):
+    """Neither file drifts from the settings: each is the output of the command it names."""
+    monkeypatch.setenv("K3RAY_API_KEY", "never-printed")
+    text = (CLUSTER / source).read_text()
+    if source.endswith("rayservice.yaml"):
+        text = yaml.safe_load(text)["spec"]["serveConfigV2"]
+    argv = documented_command(text)
+    args = build_parser(argv).parse_args(argv)
+    assert args._module.main(args) == 0
+    assert capsys.readouterr().out == text
+
+
 def test_rayservice_gpus_fit_the_planned_layout():
     from k3ray.actors.pipeline_replica import actor_bundles
     from k3ray.actors.serve_config import ServeArgs
@@ -53,14 +79,14 @@ def test_rayservice_gpus_fit_the_planned_layout():
     spec = load("kuberay/rayservice.yaml")["spec"]
     args = ServeArgs.model_validate(serve_app(yaml.safe_load(spec["serveConfigV2"]))["args"])
     bundles, roles = actor_bundles(k3_config(), args.parallel_config())
-    needed = sum(b.get("GPU", 0) for b in bundles) * args.max_replicas
+    needed = sum(b.get("GPU", 0) for b in bundles) * args.autoscaling.max_replicas
     groups = spec["rayClusterConfig"]["workerGroupSpecs"]
     per_pod = [int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) for g in groups]
     available = sum(n * g["minReplicas"] for n, g in zip(per_pod, groups))
     assert needed == 15 and needed <= available
     assert all(b.get("GPU", 0) <= max(per_pod) for b in bundles)
-    plan = build_plan(PlanRequest(k3_config(), "H200", args.max_model_len, args.max_num_seqs),
-                      args.pipeline, args.expert_parallel)
+    plan = build_plan(PlanRequest(k3_config(), "H200", args.engine.max_model_len, args.engine.max_num_seqs),
+                      args.parallel.pipeline, args.parallel.expert_parallel)
     assert not problems(plan), problems(plan)
     assert plan.num_devices == needed
 

@@ -91,8 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _serve_args(args: argparse.Namespace, levels: list[int | None], max_prompts: int) -> dict[str, Any]:
     widest = max(level or max_prompts for level in levels)
     max_len = int(args.input_len * (1 + args.range_ratio)) + int(args.output_len * (1 + args.range_ratio)) + 2
-    return {"model": args.checkpoint, "max_num_seqs": args.max_num_seqs or max(64, widest),
-            "max_model_len": max_len, "max_queued_requests": -1, "torch_threads": args.torch_threads}
+    return {"model": {"model": args.checkpoint}, "server": {"max_queued_requests": -1},
+            "engine": {"max_num_seqs": args.max_num_seqs or max(64, widest), "max_model_len": max_len,
+                       "torch_threads": args.torch_threads}}
 
 
 def _requests(args: argparse.Namespace, n: int, seed: int, token_range, tokenize) -> list[datasets.BenchRequest]:

@@ -40,10 +40,12 @@ def cluster(tiny_checkpoint):
     gcs = ray.get_runtime_context().gcs_address
     try:
         url = serve_launch.deploy({
-            "model": tiny_checkpoint, "expert_parallel": 2, "min_replicas": 1, "max_replicas": 2,
-            "target_ongoing_requests": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 2, "metrics_interval_s": 0.5,
-            "look_back_period_s": 2, "max_model_len": 256, "cache_memory_mb": 16, "max_num_seqs": 4,
-            "replica_cpus": 0.5, "stage_cpus": 0.5, "shard_cpus": 0.5, "router_cpus": 0.25,
+            "model": {"model": tiny_checkpoint},
+            "parallel": {"expert_parallel": 2, "replica_cpus": 0.5, "stage_cpus": 0.5, "shard_cpus": 0.5,
+                         "router_cpus": 0.25},
+            "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
+                            "downscale_delay_s": 2, "metrics_interval_s": 0.5, "look_back_period_s": 2},
+            "engine": {"max_model_len": 256, "cache_memory_mb": 16, "max_num_seqs": 4},
         }, port=free_port(), proxy_location="HeadOnly")
         yield url, gcs
     finally:

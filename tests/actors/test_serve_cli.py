@@ -19,9 +19,11 @@ import yaml
 ray = pytest.importorskip("ray")
 
 from k3ray.actors.pipeline_replica import actor_bundles  # noqa: E402
-from k3ray.actors.serve_config import ServeArgs, deployment_options  # noqa: E402
+from k3ray.actors.serve_app import deployment_options  # noqa: E402
+from k3ray.actors.serve_config import ServeArgs  # noqa: E402
 from k3ray.actors.serve_engine import engine_config  # noqa: E402
 from k3ray.actors import serve_cli as serve_cmd  # noqa: E402
+from k3ray.actors.serve_flags import launch_settings  # noqa: E402
 from k3ray.config import ModelConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -37,11 +39,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_no_flags_serve_the_default_model_on_loopback(monkeypatch):
     monkeypatch.delenv("K3RAY_API_KEY", raising=False)
     args = parse([])
-    assert (args.host, args.port, args.address) == ("127.0.0.1", 8000, None)
+    launch = launch_settings(args)
+    assert (launch.host, launch.port, launch.address) == ("127.0.0.1", 8000, None)
     assert serve_cmd.app_args(args) == {}
     assert ServeArgs.model_validate({}) == ServeArgs()
     monkeypatch.setenv("K3RAY_API_KEY", "from-env")
-    assert serve_cmd.app_args(args) == {"api_key": "from-env"}
+    assert serve_cmd.app_args(args) == {"server": {"api_key": "from-env"}}
 
 
 def test_flags_become_deployment_options(tiny_checkpoint):
@@ -51,7 +54,7 @@ def test_flags_become_deployment_options(tiny_checkpoint):
                   "--no-enable-prefix-caching", "--speculative-ngram", "3", "--max-num-seqs", "8",
                   "--served-model-name", "k3", "--stage-cpus", "2"])
     resolved = ServeArgs.model_validate(serve_cmd.app_args(args)).resolved()
-    assert resolved.served_model_name == "k3" and resolved.model == os.path.abspath(tiny_checkpoint)
+    assert resolved.server.served_model_name == "k3" and resolved.model.model == os.path.abspath(tiny_checkpoint)
     opts = deployment_options(resolved)
     assert opts["autoscaling_config"] | {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4.0,
                                          "upscale_delay_s": 1.0, "downscale_delay_s": 5.0} == opts["autoscaling_config"]
@@ -61,11 +64,12 @@ def test_flags_become_deployment_options(tiny_checkpoint):
     assert opts["placement_group_bundles"] == [{"CPU": 1.0}] + bundles and {"CPU": 2.0} in bundles
     engine = engine_config(resolved)
     assert not engine.enable_prefix_caching and engine.speculative.num_speculative_tokens == 3
-    assert "placement_group_bundles" not in deployment_options(ServeArgs(model=tiny_checkpoint).resolved())
+    local = ServeArgs.model_validate({"model": {"model": tiny_checkpoint}}).resolved()
+    assert "placement_group_bundles" not in deployment_options(local)
 
 
 def test_bad_flags_fail_before_starting_anything():
-    with pytest.raises(ValueError, match="--ingress applies to the local Ray"):
+    with pytest.raises(ValueError, match="ingress applies to the local Ray"):
         serve_cmd.main(parse(["--address", "127.0.0.1:1", "--ingress", "proxy"]))
     with pytest.raises(ValueError, match="min_replicas"):
         serve_cmd.main(parse(["--min-replicas", "3", "--max-replicas", "1"]))
@@ -88,8 +92,9 @@ def test_serve_config_yaml_deploys_the_same_app(tiny_checkpoint):
     (app,) = config.applications
     assert app.import_path == "k3ray.actors.serve_app:build_app"
     args = ServeArgs.model_validate(app.args)
-    assert (args.min_replicas, args.max_replicas, args.max_queued_requests) == (1, 2, 256)
-    deployment = build_app({**app.args, "model": tiny_checkpoint})._bound_deployment
+    assert (args.autoscaling.min_replicas, args.autoscaling.max_replicas) == (1, 2)
+    assert args.server.max_queued_requests == 256
+    deployment = build_app({**app.args, "model": {**app.args["model"], "model": tiny_checkpoint}})._bound_deployment
     assert deployment.name == "K3Server"
     assert deployment._deployment_config.autoscaling_config.max_replicas == 2
     assert deployment._deployment_config.max_queued_requests == 256

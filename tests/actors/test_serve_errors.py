@@ -26,9 +26,10 @@ LONG = 240  # tokens: several seconds of decoding, so a disconnect lands mid-gen
 @pytest.fixture(scope="module")
 def server(serve_app, tiny_checkpoint):
     return serve_app(
-        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
-         "cache_memory_mb": 16, "max_num_seqs": 4, "api_key": KEY, "max_body_bytes": MAX_BODY,
-         "max_ongoing_requests": 1, "max_queued_requests": 1, "retry_after_s": 2}
+        {"model": {"model": tiny_checkpoint},
+         "server": {"served_model_name": MODEL, "api_key": KEY, "max_body_bytes": MAX_BODY,
+                    "max_ongoing_requests": 1, "max_queued_requests": 1, "retry_after_s": 2},
+         "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 4}}
     )
 
 

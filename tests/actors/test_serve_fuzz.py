@@ -34,13 +34,14 @@ json_values = st.recursive(
 
 @pytest.fixture(scope="module")
 def client(tiny_checkpoint):
-    args = ServeArgs(model=tiny_checkpoint, served_model_name=MODEL, max_model_len=160, cache_memory_mb=16,
-                     max_num_seqs=8, max_body_bytes=64 * 1024).resolved()
+    args = ServeArgs.model_validate({
+        "model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL, "max_body_bytes": 64 * 1024},
+        "engine": {"max_model_len": 160, "cache_memory_mb": 16, "max_num_seqs": 8}}).resolved()
     engine, _ = build_engine(args)
     async_engine = AsyncEngine(engine)
     metrics = ServeMetrics(MODEL, async_engine.get_stats)
     app = build_openai_app(OpenAIServing(async_engine, engine.tokenizer, MODEL, metrics), metrics=metrics,
-                           max_body_bytes=args.max_body_bytes)
+                           max_body_bytes=args.server.max_body_bytes)
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
         assert c.get("/metrics").status_code == 200

@@ -31,7 +31,8 @@ MAX_GEN_TOKS = 8
 @pytest.fixture(scope="module")
 def server(serve_app, tiny_checkpoint):
     return serve_app(
-        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": 1024, "cache_memory_mb": 16}
+        {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+         "engine": {"max_model_len": 1024, "cache_memory_mb": 16}}
     )
 
 

@@ -24,8 +24,8 @@ LOGPROB_ATOL = 1e-3
 @pytest.fixture(scope="module")
 def server(serve_app, tiny_checkpoint):
     return serve_app(
-        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
-         "cache_memory_mb": 16, "max_num_seqs": 8}
+        {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+         "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 8}}
     )
 
 

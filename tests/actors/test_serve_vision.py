@@ -70,8 +70,8 @@ def text_part(text: str) -> dict:
 @pytest.fixture(scope="module")
 def server(serve_app, tiny_checkpoint):
     return serve_app(
-        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
-         "cache_memory_mb": 16, "max_num_seqs": 8}
+        {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+         "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 8}}
     )
 
 
@@ -82,9 +82,9 @@ def pipeline_url(server, tiny_checkpoint):
     from k3ray.actors import serve_launch
 
     url = serve_launch.deploy(
-        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16,
-         "max_num_seqs": 4, "pipeline": 2, "replica_cpus": 0.5, "stage_cpus": 0.5, "shard_cpus": 0.5,
-         "router_cpus": 0.25},
+        {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+         "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 4},
+         "parallel": {"pipeline": 2, "replica_cpus": 0.5, "stage_cpus": 0.5, "shard_cpus": 0.5, "router_cpus": 0.25}},
         port=int(server.rsplit(":", 1)[1]), name="k3ray-pipeline", route_prefix="/pipeline", proxy_location="HeadOnly",
     )
     yield url

@@ -43,8 +43,8 @@ def server(tiny_checkpoint):
     started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
     try:
         yield serve_launch.deploy(
-            {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN,
-             "cache_memory_mb": 16},
+            {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+             "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16}},
             port=free_port(), proxy_location="HeadOnly",
         )
     finally:

@@ -23,8 +23,8 @@ DEPTHS = (0.0, 100.0)
 @pytest.fixture(scope="module")
 def server(serve_app, tiny_checkpoint):
     return serve_app(
-        {"model": tiny_checkpoint, "served_model_name": MODEL, "max_model_len": 2048, "cache_memory_mb": 16,
-         "max_num_seqs": 4}
+        {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+         "engine": {"max_model_len": 2048, "cache_memory_mb": 16, "max_num_seqs": 4}}
     )
 
 

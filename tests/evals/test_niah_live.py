@@ -33,7 +33,8 @@ def free_port() -> int:
 
 
 def serve_args(checkpoint: str) -> dict:
-    return {"model": checkpoint, "served_model_name": MODEL, "max_model_len": 2048, "cache_memory_mb": 32}
+    return {"model": {"model": checkpoint}, "server": {"served_model_name": MODEL},
+            "engine": {"max_model_len": 2048, "cache_memory_mb": 32}}
 
 
 @pytest.fixture(scope="module")

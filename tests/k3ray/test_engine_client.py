@@ -30,7 +30,8 @@ def request_set(stop: str) -> list:
 
 @pytest.fixture(scope="module")
 def args(tiny_checkpoint):
-    return ServeArgs(model=tiny_checkpoint, max_model_len=256, cache_memory_mb=8, torch_threads=1).resolved()
+    engine = {"max_model_len": 256, "cache_memory_mb": 8, "torch_threads": 1}
+    return ServeArgs.model_validate({"model": {"model": tiny_checkpoint}, "engine": engine}).resolved()
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def test_image_prompt_equals_the_in_process_engine(client, args):
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
     async def answer(engine, tag):
-        prompt = await OpenAIServing(engine, load_tokenizer(args.model), "m").chat_input(messages, True, False)
+        prompt = await OpenAIServing(engine, load_tokenizer(args.model.model), "m").chat_input(messages, True, False)
         assert prompt.media
         outs = [o async for o in engine.generate(prompt.ids, greedy, tag, media=prompt.media)]
         return outs[-1].outputs[0].token_ids
@@ -216,7 +217,7 @@ def test_a_failing_factory_raises_and_leaves_no_process(tmp_path):
         return {c.pid for c in psutil.Process().children() if "engine_core_proc" in " ".join(c.cmdline())}
 
     before = engine_processes()
-    bad = ServeArgs(model=str(tmp_path / "missing")).resolved()
+    bad = ServeArgs.model_validate({"model": {"model": str(tmp_path / "missing")}}).resolved()
     with pytest.raises(Exception, match="missing"):
         EngineClient.start(functools.partial(local_engine, bad), startup_timeout_s=120)
     assert engine_processes() <= before
