@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from k3ray.kernels.moe import moe_experts, select_experts, situ_glu
-from k3ray.kernels.moe.cpu import EveryExpertWeights, fuse_every_expert
+from k3ray.kernels.moe.experts_cpu import EveryExpertWeights, fuse_every_expert
 from k3ray.kernels.moe.mxfp4 import dequantize_mxfp4
 from k3ray.models.norm import RMSNorm
 

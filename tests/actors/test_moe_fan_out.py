@@ -43,7 +43,7 @@ def test_fan_out_equals_the_experts_in_one_process(model_and_shards, monkeypatch
         expected = moe.experts(h, ids, weights)
     got = moe_dispatch.fan_out(shards, layer, h, ids, weights, timeout_s=60.0)
     assert got.dtype == torch.float32 and got.shape == expected.shape
-    # a shard runs the CPU expert path its own rows x experts select (kernels/moe/cpu.py), which
+    # a shard runs the CPU expert path its own rows x experts select (kernels/moe/experts_cpu.py), which
     # may not be the one the whole layer selects: the same products, but summed by other GEMM
     # kernels, so they agree to fp32 rounding (~1e-7), not bit for bit; a lost or misrouted row is O(1)
     assert_close("fan_out", expected, got, 1e-6)

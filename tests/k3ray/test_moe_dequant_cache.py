@@ -4,7 +4,7 @@ invalidates it."""
 import pytest
 import torch
 
-from k3ray.kernels.moe import cpu as moe_cpu
+from k3ray.kernels.moe import experts_cpu as moe_cpu
 from k3ray.kernels.moe.mxfp4 import quantize_mxfp4
 from k3ray.models import moe as moe_module
 from k3ray.models.moe import LocalExperts

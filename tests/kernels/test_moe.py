@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from k3ray.kernels.moe import moe_experts, select_experts, situ_glu
-from k3ray.kernels.moe import cpu as moe_cpu
-from k3ray.kernels.moe.cpu import moe_experts_cpu
-from k3ray.kernels.moe.experts import moe_experts_triton
+from k3ray.kernels.moe import experts_cpu as moe_cpu
+from k3ray.kernels.moe.experts_cpu import moe_experts_cpu
+from k3ray.kernels.moe.experts_triton import moe_experts_triton
 from k3ray.kernels.moe.mxfp4 import GROUP
 from k3ray.kernels.moe.naive import naive_moe_experts, naive_select_experts
-from k3ray.kernels.moe.routing import select_experts_triton
+from k3ray.kernels.moe.select_experts_triton import select_experts_triton
 from k3ray.testing import assert_close
 
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -22,18 +22,6 @@ TOL_FP32 = 1e-5
 # interpreter truncates instead of rounding (triton 3.9), so ~4 one-sided roundings (~1e-2 observed)
 TOL_BF16 = 3e-2
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
-
-
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty returns NaN-filled float tensors, so unwritten buffer entries show up."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", empty)
 
 
 def _gen(seed):

@@ -10,7 +10,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkR
 
 from k3ray.kernels.moe import select_experts
 from k3ray.kernels.moe.naive import naive_select_experts
-from k3ray.kernels.moe.routing import select_experts_triton
+from k3ray.kernels.moe.select_experts_triton import select_experts_triton
 from k3ray.testing import assert_close
 
 HIDDEN, EXPERTS, TOP_K = 24, 37, 5
