@@ -1,10 +1,6 @@
 """Short conv: naive.py vs torch's grouped conv1d + SiLU, then the Triton kernel (interpreter here,
 real on CUDA with the gpu marker) and the CPU path vs naive.py, over packed odd-length sequences."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,13 +142,9 @@ def compile_kernels_for_sm90() -> None:
         triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 
-def test_kernel_compiles_for_sm90():
+def test_kernel_compiles_for_sm90(compile_for_sm90):
     """The interpreter skips Triton's type and layout checks; a real compile (no GPU needed) catches them."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"import importlib.util as u; s = u.spec_from_file_location('t', {__file__!r}); "
-            "m = u.module_from_spec(s); s.loader.exec_module(m); m.compile_kernels_for_sm90()")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    compile_for_sm90(__file__)
 
 
 @pytest.mark.gpu

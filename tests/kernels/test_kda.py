@@ -1,10 +1,6 @@
 """KDA fast paths vs kernels/kda/naive.py: Triton (under TRITON_INTERPRET=1 here, real on CUDA with
 the gpu marker) and the vectorised CPU paths, at small odd shapes over packed sequences."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import triton
@@ -203,13 +199,9 @@ def compile_kernels_for_sm90() -> None:
     )
 
 
-def test_kernels_compile_for_sm90_at_k3_shapes():
+def test_kernels_compile_for_sm90_at_k3_shapes(compile_for_sm90):
     """The interpreter skips Triton's type and layout checks; a real compile (no GPU needed) catches them."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"import importlib.util as u; s = u.spec_from_file_location('t', {__file__!r}); "
-            "m = u.module_from_spec(s); s.loader.exec_module(m); m.compile_kernels_for_sm90()")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    compile_for_sm90(__file__)
 
 
 @pytest.mark.gpu
