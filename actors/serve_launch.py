@@ -17,6 +17,7 @@ from typing import get_args
 import ray
 from ray import serve
 
+from k3ray.actors.ray_connect import connect  # ray.init off the repository root
 from k3ray.actors.serve_app import build_app
 from k3ray.actors.serve_config import APP_NAME, DEFAULT_INGRESS, Ingress
 
@@ -73,9 +74,9 @@ def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init
         os.environ.update(ingress_environment(ingress))  # Ray's processes inherit it from here
         # node address 127.0.0.1: every connection stays on loopback
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(address="local", **{"include_dashboard": False, **init_kwargs})
+        connect(address="local", **{"include_dashboard": False, **init_kwargs})
     else:
-        ray.init(address=address, **init_kwargs)
+        connect(address=address, **init_kwargs)
     return True
 
 

@@ -77,9 +77,9 @@ def test_bad_flags_fail_before_starting_anything():
         serve_cmd.main(parse(["--pipeline", "0"]))
 
 
-def test_command_module_does_not_import_ray():
+def test_command_module_does_not_import_ray(tmp_path):
     code = "import sys, k3ray.actors.serve_cli; assert 'ray' not in sys.modules, 'ray imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)  # off the repository root
 
 
 def test_serve_config_yaml_deploys_the_same_app(tiny_checkpoint):
