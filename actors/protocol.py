@@ -6,12 +6,9 @@ from __future__ import annotations
 import copyreg
 from dataclasses import dataclass, field, fields
 
+from k3ray.actors.moe_dispatch_modes import DEFAULT_MOE_DISPATCH, MOE_DISPATCH_MODES
 from k3ray.actors.wire import Bundle, pack, unpack
 from k3ray.engine.plan import BatchPlan
-
-# how a stage's MoE layers reach the expert shards: via the stage's router actor, by the stage's own
-# actor calls, or through a Ray Compiled Graph the stage compiles over its shards (moe_dispatch.py)
-MOE_DISPATCH_MODES = ("router", "direct", "compiled")
 
 
 @dataclass(frozen=True)
@@ -34,7 +31,7 @@ class ParallelConfig:
     call_timeout_s: float = 120.0  # a step that takes longer fails instead of hanging
     max_restarts: int = 3  # a dead actor restarts and reloads its weights this many times
     torch_threads: int = 1  # per actor process
-    moe_dispatch: str = "direct"  # the stage calls its shards: one actor call per layer fewer than "router"
+    moe_dispatch: str = DEFAULT_MOE_DISPATCH
 
     def __post_init__(self) -> None:
         if self.pipeline < 1:

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from k3ray.actors.moe_dispatch_modes import DEFAULT_MOE_DISPATCH, MoEDispatchMode
+
 APP_NAME = "k3ray"
 IMPORT_PATH = "k3ray.actors.serve_app:build_app"  # the Serve app builder
 DEFAULT_MAX_BODY_BYTES = 64 * 1024**2
@@ -62,8 +64,8 @@ class ParallelSettings(Settings):
     vision_gpus: float = Field(0.0, ge=0, description="GPUs of a pipeline replica's VisionEncoder actor")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="how the replica's placement group spreads over nodes")
-    moe_dispatch: Literal["router", "direct", "compiled"] = Field(
-        "direct", description="MoE rows from each stage straight to its shards by actor calls (direct), through "
+    moe_dispatch: MoEDispatchMode = Field(
+        DEFAULT_MOE_DISPATCH, description="MoE rows from each stage straight to its shards by actor calls (direct), through "
         "the stage's router actor (router) or through a Ray Compiled Graph (compiled)")
 
 

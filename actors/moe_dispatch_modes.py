@@ -1,0 +1,13 @@
+"""How a stage's MoE layers reach its expert shards, named once for ParallelConfig, the serve
+settings and the cluster benchmark (no heavy imports: `k3ray serve --help` reads it).
+
+router: through the stage's MoERouter actor; direct: the stage's own actor calls to the shards;
+compiled: a Ray Compiled Graph the stage compiles over its shards (see moe_dispatch.py)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+MoEDispatchMode = Literal["router", "direct", "compiled"]
+MOE_DISPATCH_MODES: tuple[str, ...] = get_args(MoEDispatchMode)
+DEFAULT_MOE_DISPATCH: MoEDispatchMode = "direct"  # one actor call in series per layer fewer than "router"
