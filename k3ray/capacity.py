@@ -3,7 +3,10 @@ device, with the memory of every actor (weights, KDA state, MLA cache), or say w
 
 Each stage actor holds contiguous layers (all their non-expert weights and caches; the first
 also the embedding, the last the head); each of a stage's `expert_parallel` shard actors holds
-an equal slice of that stage's routed experts; one CPU-only router actor per stage."""
+an equal slice of that stage's routed experts; one CPU-only router actor per stage with MoE
+layers, and a CPU-side vision encoder for a config with a vision tower: the actors `k3ray serve`
+asks Ray for (Plan.serve_parallel). With measured layer costs (`k3ray bench layer`),
+predict_throughput estimates a layout's tokens/s per device."""
 
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class ActorPlan:
-    role: str  # "stage" | "expert_shard" | "router"
+    role: str  # "stage" | "expert_shard" | "router" | "vision", or "replica" (pipeline 1 x expert-parallel 1)
     stage: int
     layers: tuple[int, int]
     experts: tuple[int, int] | None
@@ -64,6 +67,18 @@ class Plan:
     @property
     def num_devices(self) -> int:
         return sum(a.devices for a in self.actors)
+
+    def serve_parallel(self) -> dict[str, float | int]:
+        """The `parallel` settings of `k3ray serve` that ask Ray for exactly this layout's actors:
+        one device per stage and per expert shard (GPUs, or none on a CPU plan)."""
+        gpus = 0.0 if self.request.device == "CPU" else 1.0
+        if self.pipeline == self.expert_parallel == 1:  # one undistributed model in the replica
+            return {"pipeline": 1, "expert_parallel": 1, "replica_gpus": gpus}
+        return {"pipeline": self.pipeline, "expert_parallel": self.expert_parallel,
+                "stage_gpus": gpus, "shard_gpus": gpus}
+
+    def serve_flags(self) -> str:
+        return " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in self.serve_parallel().items())
 
 
 def _layer_bytes(c: ModelConfig, expert_format: str) -> tuple[list[int], list[int]]:
@@ -118,8 +133,26 @@ def build_plan(req: PlanRequest, pipeline: int, expert_parallel: int) -> Plan:
             share = stage_experts * (e1 - e0) // c.num_experts
             if share:
                 actors.append(ActorPlan("expert_shard", s, (a, b), (e0, e1), share, 0, 0, 0, 1))
-        actors.append(ActorPlan("router", s, (a, b), None, 0, 0, 0, 0, 0))
+        if stage_experts:  # a stage without MoE layers gets no router (as k3ray serve places them)
+            actors.append(ActorPlan("router", s, (a, b), None, 0, 0, 0, 0, 0))
+    vision = _vision_bytes(c) if c.vision is not None else 0
+    if pipeline == expert_parallel == 1:  # k3ray serve runs such a model whole in its replica
+        stage, experts = actors[0], sum(a.weight_bytes for a in actors[1:])
+        actors = [ActorPlan("replica", 0, stage.layers, (0, c.num_experts), stage.weight_bytes + experts + vision,
+                            stage.kda_state_bytes, stage.mla_cache_bytes, stage.other_bytes, 1)]
+    elif vision:  # serve's VisionEncoder actor, on CPU by default (--vision-gpus)
+        actors.append(ActorPlan("vision", 0, (0, 0), None, vision, 0, 0, 0, 0))
     return Plan(req, pipeline, expert_parallel, tuple(actors), _device_bytes(req))
+
+
+def _vision_bytes(c: ModelConfig) -> int:
+    import torch
+
+    from k3ray.vision.model import K3VisionModel
+
+    with torch.device("meta"):
+        tower = K3VisionModel(c.vision, torch.bfloat16)
+    return sum(p.numel() * p.element_size() for p in tower.parameters())
 
 
 def _device_bytes(req: PlanRequest) -> int:
@@ -140,6 +173,8 @@ def problems(plan: Plan) -> list[str]:
             what = f"stage {a.stage} (layers {a.layers[0]}-{a.layers[1] - 1})"
             if a.role == "expert_shard":
                 what = f"expert shard {a.experts[0]}-{a.experts[1] - 1} of {what}"
+            elif a.role == "replica":
+                what = "the whole model in one replica"
             out.append(
                 f"{what} needs {a.total_bytes / GIB:.1f} GiB (weights {a.weight_bytes / GIB:.1f}, KDA state "
                 f"{a.kda_state_bytes / GIB:.1f}, MLA cache {a.mla_cache_bytes / GIB:.1f}, activations "
@@ -194,3 +229,62 @@ def _divisor_like(n: int) -> list[int]:
     """Expert-parallel sizes to try: 1, 2, 4, ... up to n, plus n's divisors."""
     sizes = {2**i for i in range(int(math.log2(n)) + 1)} | {d for d in range(1, n + 1) if n % d == 0}
     return sorted(s for s in sizes if s <= n)
+
+
+@dataclass(frozen=True)
+class ThroughputPrediction:
+    """A layout's tokens/s from per-layer costs measured by `k3ray bench layer`: every step runs
+    each layer once, stage after stage (k3ray does not overlap stages), each layer at its measured
+    single-device time (expert parallelism's split of the experts and the hops between actors are
+    not counted: a conservative estimate)."""
+
+    batch: int  # sequences per decode step (the plan's concurrency)
+    decode_step_ms: float  # one decode step through every layer
+    decode_tok_s: float  # per replica
+    decode_tok_s_per_device: float
+    prefill_tok_s_per_device: float
+    measured_context: int  # the context the decode costs were measured at
+
+
+def layer_kind(config: ModelConfig, layer_idx: int) -> str:
+    """The `k3ray bench layer` kind of a layer: kda_dense, kda_moe or mla_moe."""
+    return f"{config.layer_types[layer_idx]}_{'moe' if config.is_moe_layer(layer_idx) else 'dense'}"
+
+
+def _interpolated_ms(points: list[tuple[int, float]], batch: int) -> float:
+    """Decode ms at `batch` from measured (batch, ms): linear between neighbours; below the
+    smallest batch its time, above the largest its time per sequence."""
+    points = sorted(points)
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, m0), (b1, m1) in zip(points, points[1:]):
+        if batch <= b1:
+            return m0 + (m1 - m0) * (batch - b0) / (b1 - b0)
+    b, m = points[-1]
+    return m * batch / b
+
+
+def predict_throughput(p: Plan, layers: list[dict]) -> ThroughputPrediction:
+    """layers: the `layers` rows of `k3ray bench layer` JSON ({kind, phase, batch, context, tokens,
+    ms, ...}). Raises ValueError when a kind the model uses was not measured."""
+    c = p.request.config
+    decode: dict[str, list[tuple[int, float]]] = {}
+    prefill_s_per_token: dict[str, float] = {}
+    contexts = set()
+    for row in layers:
+        if row["phase"] == "decode":
+            decode.setdefault(row["kind"], []).append((int(row["batch"]), float(row["ms"])))
+            contexts.add(int(row["context"]))
+        elif row["phase"] == "prefill":
+            prefill_s_per_token[row["kind"]] = float(row["ms"]) / 1e3 / int(row["tokens"])
+    kinds = [layer_kind(c, i) for i in range(c.num_layers)]
+    missing = sorted(set(kinds) - (decode.keys() & prefill_s_per_token.keys()))
+    if missing:
+        raise ValueError(f"the layer costs have no decode and prefill rows for {missing}")
+    batch = p.request.concurrency
+    step_ms = sum(_interpolated_ms(decode[k], batch) for k in kinds)
+    decode_tok_s = batch / (step_ms / 1e3)
+    prefill_tok_s = 1 / sum(prefill_s_per_token[k] for k in kinds)
+    devices = max(p.num_devices, 1)
+    return ThroughputPrediction(batch, step_ms, decode_tok_s, decode_tok_s / devices, prefill_tok_s / devices,
+                                max(contexts))

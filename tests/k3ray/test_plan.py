@@ -1,6 +1,8 @@
+import json
+
 import pytest
 
-from k3ray.capacity import GIB, PlanRequest, build_plan, plan, problems
+from k3ray.capacity import GIB, PlanRequest, build_plan, layer_kind, plan, predict_throughput, problems
 from k3ray.cli import main as cli_main
 from k3ray.config import k3_config, k3_tiny_config
 from k3ray.info import summarize
@@ -10,7 +12,7 @@ from k3ray.info import summarize
 def test_actor_weights_add_up_to_the_published_checkpoint(cfg):
     c = cfg()
     p = build_plan(PlanRequest(c, "H200", 1024, 1), pipeline=3, expert_parallel=4)
-    total = sum(a.weight_bytes for a in p.actors)
+    total = sum(a.weight_bytes for a in p.actors if a.role != "vision")  # the text model's
     # each stage's routed bytes are split by integer division: at most 1 byte lost per shard
     assert 0 <= summarize(c).weight_bytes - total <= 3 * 4
 
@@ -59,3 +61,65 @@ def test_plan_cli(capsys):
     assert "expert_shard" in capsys.readouterr().out
     assert cli_main(["plan", "--preset", "k3", "--device", "h200", "--pipeline", "1", "--expert-parallel", "1"]) == 2
     assert "does not fit" in capsys.readouterr().err
+
+
+def _layer_costs(decode_ms: dict[str, dict[int, float]], prefill_ms: dict[str, float], tokens: int = 100) -> list[dict]:
+    rows = [{"kind": k, "phase": "prefill", "batch": 1, "context": tokens, "tokens": tokens, "ms": ms}
+            for k, ms in prefill_ms.items()]
+    rows += [{"kind": k, "phase": "decode", "batch": b, "context": 4096, "tokens": b, "ms": ms}
+             for k, by_batch in decode_ms.items() for b, ms in by_batch.items()]
+    return rows
+
+
+def test_layer_costs_predict_tokens_per_second_per_device():
+    c = k3_tiny_config()  # 9 layers: kda_dense, then MoE layers with MLA at 3 and 7 (every 4th)
+    kinds = [layer_kind(c, i) for i in range(c.num_layers)]
+    assert kinds[0] == "kda_dense" and kinds.count("mla_moe") == len(c.mla_layer_ids)
+    n_kda_moe = kinds.count("kda_moe")
+    rows = _layer_costs({"kda_dense": {1: 1.0, 8: 2.0}, "kda_moe": {1: 2.0, 8: 4.0}, "mla_moe": {1: 3.0, 8: 5.0}},
+                        {"kda_dense": 10.0, "kda_moe": 20.0, "mla_moe": 30.0})
+    p = plan(PlanRequest(c, "CPU", 4096, 4, pipeline=3, expert_parallel=2, device_memory_gib=8))
+    pred = predict_throughput(p, rows)
+    # batch 4 lies 3/7 of the way from 1 to 8
+    step = sum({"kda_dense": 1 + 3 / 7, "kda_moe": 2 + 6 / 7, "mla_moe": 3 + 6 / 7}[k] for k in kinds)
+    assert pred.decode_step_ms == pytest.approx(step)
+    assert pred.decode_tok_s == pytest.approx(4 / (step / 1e3))
+    assert pred.decode_tok_s_per_device == pytest.approx(pred.decode_tok_s / p.num_devices)
+    prefill_s_per_token = (10.0 + 20.0 * n_kda_moe + 30.0 * len(c.mla_layer_ids)) / 1e3 / 100
+    assert pred.prefill_tok_s_per_device == pytest.approx(1 / prefill_s_per_token / p.num_devices)
+    # beyond the largest batch measured: its time per sequence
+    bigger = predict_throughput(plan(PlanRequest(c, "CPU", 4096, 16, pipeline=3, expert_parallel=2,
+                                                 device_memory_gib=8)), rows)
+    assert bigger.decode_step_ms == pytest.approx(2 * sum({"kda_dense": 2, "kda_moe": 4, "mla_moe": 5}[k] for k in kinds))
+    with pytest.raises(ValueError, match="mla_moe"):
+        predict_throughput(p, [r for r in rows if r["kind"] != "mla_moe"])
+
+
+def test_plan_cli_prints_the_prediction_beside_the_memory_plan(tmp_path, capsys):
+    costs = tmp_path / "layers.json"
+    rows = _layer_costs({k: {1: 1.0, 64: 2.0} for k in ("kda_dense", "kda_moe", "mla_moe")},
+                        {k: 5.0 for k in ("kda_dense", "kda_moe", "mla_moe")})
+    costs.write_text(json.dumps({"layers": rows, "machine": {}}))
+    argv = ["plan", "--preset", "k3-tiny", "--device", "cpu", "--device-memory-gib", "8", "--pipeline", "3",
+            "--expert-parallel", "2", "--concurrency", "64", "--layer-costs", str(costs)]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "expert_shard" in out and "k3ray serve --pipeline 3 --expert-parallel 2 --stage-gpus 0 --shard-gpus 0" in out
+    # 9 layers x 2 ms a step of 64 sequences, on 3 stages + 3 x 2 shards
+    assert "decode 395.1 tok/s per device (3,555.6 per replica, 18.0 ms a step of 64)" in out
+    assert cli_main([*argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["prediction"]["decode_step_ms"] == 18.0 and summary["prediction"]["batch"] == 64
+    costs.write_text(json.dumps({"rows": rows}))
+    assert cli_main(argv) == 2
+    assert "no `layers` list" in capsys.readouterr().err
+
+
+def test_a_plan_asks_serve_for_its_actors():
+    one = plan(PlanRequest(k3_tiny_config(), "H200", 4096, 4))
+    assert (one.pipeline, one.expert_parallel, [a.role for a in one.actors]) == (1, 1, ["replica"])
+    assert one.serve_parallel() == {"pipeline": 1, "expert_parallel": 1, "replica_gpus": 1.0}
+    k3 = plan(PlanRequest(k3_config(), "H200", 131072, 8))
+    assert k3.serve_parallel() == {"pipeline": k3.pipeline, "expert_parallel": k3.expert_parallel,
+                                   "stage_gpus": 1.0, "shard_gpus": 1.0}
+    assert [a.role for a in k3.actors].count("vision") == 1 and k3.actors[-1].devices == 0
