@@ -13,7 +13,7 @@ import torch
 
 from k3ray.config import k3_tiny_config
 
-DEFAULT_NAME = "k3-tiny-v2"  # bump when the tiny model's definition changes
+DEFAULT_NAME = "k3-tiny-v3"  # bump when the tiny model's definition changes
 DEFAULT_SEED = 0
 
 

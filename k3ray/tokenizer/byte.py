@@ -12,10 +12,11 @@ from pathlib import Path
 
 from k3ray.tokenizer import special as sp
 from k3ray.tokenizer.base import Tokenizer
+from k3ray.tokenizer.chat_jinja import chat_template
 from k3ray.tokenizer.files import read_json
 
 TOKENIZER_CLASS = "K3ByteTokenizer"
-MIN_VOCAB_SIZE = 512
+K3RAY_CLASS_KEY = "k3ray_tokenizer_class"  # tokenizer_class names the Hugging Face class
 BYTE_SPECIAL_TOKENS = (
     sp.BOS,  # 256
     sp.EOS,  # 257
@@ -34,13 +35,15 @@ BYTE_SPECIAL_TOKENS = (
     sp.TOOL_CALL_ARGUMENT_BEGIN,
     sp.TOOL_CALL_END,  # 271
 )
+MIN_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS) + 1  # bytes, specials, [PAD]
+DEFAULT_VOCAB_SIZE = 512
 _SINGLE_BYTES = tuple(bytes([b]) for b in range(256))
 
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids, K3 specials from id 256, `[PAD]` at vocab_size - 1."""
 
-    def __init__(self, vocab_size: int = MIN_VOCAB_SIZE) -> None:
+    def __init__(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be an int >= {MIN_VOCAB_SIZE}, got {vocab_size!r}")
         special_tokens = {token: 256 + i for i, token in enumerate(BYTE_SPECIAL_TOKENS)}
@@ -54,6 +57,7 @@ class ByteTokenizer(Tokenizer):
             eos_token=sp.EOS,
             pad_token=sp.PAD,
         )
+        self.chat_template = chat_template(self.media_begin_token, self.media_placeholder_token)
 
     def _encode_ordinary(self, text: str) -> list[int]:
         try:
@@ -66,29 +70,24 @@ class ByteTokenizer(Tokenizer):
         return _SINGLE_BYTES[token_id]
 
     def save_pretrained(self, directory: str | Path) -> None:
+        """tokenizer_config.json (which k3ray reads) and tokenizer.json: a Hugging Face fast tokenizer."""
+        from k3ray.tokenizer.hf_files import save_hf_files  # imports `tokenizers`
+
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        config = {
-            "tokenizer_class": TOKENIZER_CLASS,
-            "vocab_size": self.vocab_size,
-            "bos_token": sp.BOS,
-            "eos_token": sp.EOS,
-            "pad_token": sp.PAD,
-            "added_tokens_decoder": {
-                str(token_id): {"content": token, "special": True}
-                for token, token_id in sorted(self.special_tokens.items(), key=lambda kv: kv[1])
-            },
-        }
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_hf_files(self, directory, {K3RAY_CLASS_KEY: TOKENIZER_CLASS, "vocab_size": self.vocab_size})
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> ByteTokenizer:
         path = Path(directory) / "tokenizer_config.json"
         config = read_json(path)
-        if config.get("tokenizer_class") != TOKENIZER_CLASS:
-            found = config.get("tokenizer_class")
-            raise ValueError(f"{path} names tokenizer_class {found!r}, not {TOKENIZER_CLASS!r}")
+        if saved_class(config) != TOKENIZER_CLASS:
+            raise ValueError(f"{path} names tokenizer_class {saved_class(config)!r}, not {TOKENIZER_CLASS!r}")
         if "vocab_size" not in config:
             raise ValueError(f"{path} has no vocab_size")
         return cls(config["vocab_size"])
 
+
+def saved_class(config: dict) -> str | None:
+    """The k3ray class a tokenizer_config.json names (older files name it in tokenizer_class)."""
+    return config.get(K3RAY_CLASS_KEY, config.get("tokenizer_class"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from k3ray.tokenizer.base import Tokenizer
 from k3ray.tokenizer.byte import TOKENIZER_CLASS as BYTE_TOKENIZER_CLASS
-from k3ray.tokenizer.byte import ByteTokenizer
+from k3ray.tokenizer.byte import ByteTokenizer, saved_class
 from k3ray.tokenizer.files import read_json
 from k3ray.tokenizer.tiktoken_bpe import CONFIG_FILE, MODEL_FILE, TiktokenTokenizer
 
@@ -21,7 +21,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     config_path = directory / CONFIG_FILE
     found = "no tokenizer files"
     if config_path.is_file():
-        tokenizer_class = read_json(config_path).get("tokenizer_class")
+        tokenizer_class = saved_class(read_json(config_path))
         if tokenizer_class == BYTE_TOKENIZER_CLASS:
             return ByteTokenizer.from_pretrained(directory)
         found = f"{CONFIG_FILE} with tokenizer_class {tokenizer_class!r}"

@@ -124,7 +124,8 @@ def test_reserved_ids_and_bad_ids(tok):
 
 
 def test_byte_vocab_size_checked():
-    for bad in (511, 0, "512", 512.0):
+    assert ByteTokenizer(273).pad_token_id == 272  # bytes, 16 specials, [PAD]
+    for bad in (272, 0, "512", 512.0):
         with pytest.raises(ValueError, match="vocab_size"):
             ByteTokenizer(bad)
 
@@ -284,7 +285,7 @@ def test_save_load_round_trip(tmp_path, bpe):
         for text in TEXTS + ["<|im_end|>[PAD]"]:
             assert loaded.encode(text, allow_special=True) == original.encode(text, allow_special=True)
     saved_config = json.loads((tmp_path / "k3-byte" / "tokenizer_config.json").read_text())
-    assert saved_config["tokenizer_class"] == "K3ByteTokenizer" and saved_config["vocab_size"] == 1024
+    assert saved_config["k3ray_tokenizer_class"] == "K3ByteTokenizer" and saved_config["vocab_size"] == 1024
     assert load_tokenizer(tmp_path / bpe.name).chat_template == TIKTOKEN_CONFIG["chat_template"]
 
 
