@@ -38,7 +38,8 @@ class EngineConfig:
     slots first: one live slot per sequence, the speculative scratch slots, the snapshot slots; MLA
     blocks get the rest). `max_model_len` defaults to what the model and the block pool allow.
     Prefix caching snapshots the KDA / conv state every `snapshot_interval` blocks and at the last
-    block boundary of each prompt; prefill chunks end at those boundaries.
+    block boundary of each prompt; prefill chunks end at those boundaries. On CUDA, decode-only
+    steps replay CUDA graphs captured per batch-size bucket unless `enforce_eager`.
     """
 
     max_num_seqs: int = 64
@@ -53,8 +54,11 @@ class EngineConfig:
     snapshot_interval: int = 64
     speculative: SpeculativeConfig | None = None
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs: decode steps run eagerly too (always so on the CPU)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "snapshot_interval"):
             _positive(name, getattr(self, name))
         for name in ("max_model_len", "num_blocks", "num_state_slots", "cache_memory_bytes"):

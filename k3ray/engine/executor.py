@@ -7,8 +7,10 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from k3ray.device import to_device
 from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
-from k3ray.engine.plan import DraftPlan, StepPlan
+from k3ray.engine.cuda_graphs import DecodeGraphs
+from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.k3 import K3ForCausalLM
 from k3ray.vision.placeholders import splice_media_embeddings
@@ -27,11 +29,16 @@ class Executor(ABC):
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Apply plan.pre_copies, run every batch (media rows spliced over the token embeddings; the
         draft model, if any, mirrors each batch that is not a verification, on token ids only),
-        apply plan.post_copies -> fp32 CPU logits [sum of num_logits, V]."""
+        apply plan.post_copies -> fp32 logits [sum of num_logits, V] on the executor's device (the
+        engine samples there)."""
 
     @abstractmethod
     def propose(self, plan: DraftPlan) -> torch.Tensor:
         """Greedy drafts from the draft model -> int64 CPU [N, plan.num_drafts]."""
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Capture decode steps of up to max_batch sequences as CUDA graphs, where the executor can
+        (called once, right after allocate_cache). Default: every step runs eagerly."""
 
     @property
     def has_draft_model(self) -> bool:
@@ -53,8 +60,11 @@ class LocalExecutor(Executor):
         self.model = model.eval()
         self.draft_model = None if draft_model is None else draft_model.eval()
         self.device = next(model.parameters()).device
+        if draft_model is not None and next(draft_model.parameters()).device != self.device:
+            raise ValueError(f"the draft model is on {next(draft_model.parameters()).device}, the model on {self.device}")
         self.cache: ModelCache | None = None
         self.draft_cache: ModelCache | None = None
+        self.graphs: DecodeGraphs | None = None
 
     def cache_layout(self) -> CacheLayout:
         models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
@@ -66,6 +76,7 @@ class LocalExecutor(Executor):
                                        geometry.block_size, m.dtype, self.device)
 
         self.cache = alloc(self.model)
+        self.graphs = None  # captured over the previous pools
         self.draft_cache = alloc(self.draft_model) if self.draft_model is not None else None
 
     def _caches(self) -> list[ModelCache]:
@@ -74,44 +85,56 @@ class LocalExecutor(Executor):
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
-            src, dst = torch.tensor(pairs, device=self.device).T
+            src, dst = torch.tensor(pairs).T
             for cache in self._caches():
                 cache.copy_states(src, dst)
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        if self.device.type != "cuda":
+            return  # the CPU runs eagerly
+        assert self.cache is not None, "allocate_cache() first"
+        block_size = self.cache.block_size
+        latent = next(iter(self.cache.mla_latent.values()), None)
+        blocks = 1 if latent is None else latent.shape[0] // block_size
+        max_blocks = min(blocks, -(-max_model_len // block_size))
+        self.graphs = DecodeGraphs(self.model, self.cache, max_batch, max_blocks)
+
+    def _forward(self, b: BatchPlan, ids: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(b):
+            return self.graphs.run(b)
+        embeds = None
+        if b.mm_positions is not None:
+            embeds = splice_media_embeddings(self.model.embed(ids), b.mm_positions, b.mm_embeds)
+        return self.model(ids, b.forward_batch(self.cache), logits_indices, embeds).float()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         self._copy(plan.pre_copies)
         out = []
         for b in plan.batches:
-            ids = b.input_ids.to(self.device)
-            embeds = None
-            if b.mm_positions is not None:
-                embeds = splice_media_embeddings(self.model.embed(ids), b.mm_positions, b.mm_embeds)
-            logits = self.model(ids, b.forward_batch(self.cache, self.device), b.logits_indices.to(self.device), embeds)
-            out.append(logits.float().cpu())
+            ids, logits_indices = to_device([b.input_ids, b.logits_indices], self.device)
+            out.append(self._forward(b, ids, logits_indices))
             if self.draft_model is not None and b.spec_state_slots is None:
                 none = torch.zeros(0, dtype=torch.long, device=self.device)
-                self.draft_model(ids, b.forward_batch(self.draft_cache, self.device), none)
+                self.draft_model(ids, b.forward_batch(self.draft_cache), none)
         self._copy(plan.post_copies)
         if not out:
-            return torch.zeros(0, self.model.config.vocab_size)
-        return torch.cat(out)
+            return torch.zeros(0, self.model.config.vocab_size, device=self.device)
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     @torch.inference_mode()
     def propose(self, plan: DraftPlan) -> torch.Tensor:
         assert self.draft_model is not None and self.draft_cache is not None, "no draft model"
-        d = self.device
         n = plan.input_ids.numel()
-        cu = torch.arange(n + 1, device=d)
-        tables = plan.block_tables.to(d)
-        spec = plan.spec_state_slots.to(d)
-        src, tokens, drafts = plan.state_slots.to(d), plan.input_ids.to(d), []
+        cu = torch.arange(n + 1)
+        spec = plan.spec_state_slots
+        src, (tokens,), drafts = plan.state_slots, to_device([plan.input_ids], self.device), []
         for j in range(plan.num_drafts + 1):
             # copy, then decode in place: the state after feed j lands in its own slot
             self.draft_cache.copy_states(src, spec[:, j])
-            batch = ForwardBatch(cu, plan.context_lens.to(d) + j, spec[:, j], tables, self.draft_cache)
+            batch = ForwardBatch(cu, plan.context_lens + j, spec[:, j], plan.block_tables, self.draft_cache)
             last = j == plan.num_drafts
-            logits = self.draft_model(tokens, batch, torch.zeros(0, dtype=torch.long, device=d) if last else None)
+            logits = self.draft_model(tokens, batch, torch.zeros(0, dtype=torch.long, device=self.device) if last else None)
             if not last:
                 tokens = logits.argmax(-1)
                 drafts.append(tokens)

@@ -20,6 +20,7 @@ import torch
 from k3ray.engine.cache_manager import CacheManager, size_cache
 from k3ray.engine.config import EngineConfig
 from k3ray.engine.executor import Executor
+from k3ray.engine.logits_processors import process_logits
 from k3ray.engine.media import PromptMedia, VisionEncoderFn, attach_media, encode_pending
 from k3ray.engine.media_inputs import MultiModalConfig
 from k3ray.engine.output_processor import OutputProcessor
@@ -29,6 +30,7 @@ from k3ray.engine.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 from k3ray.engine.sequence import Request, Sequence
 from k3ray.engine.spec import NgramProposer, verify
 from k3ray.engine.stats import EngineStats, StatsCollector
+from k3ray.engine.structured_output import StructuredOutputs
 from k3ray.sampling_params import SamplingParams
 from k3ray.vision import MediaConfig, ProcessedMedia
 
@@ -63,6 +65,8 @@ class LLMEngine:
         if max_model_len < 2:
             raise ValueError(f"max_model_len={max_model_len} leaves no room to generate; the cache is too small")
         executor.allocate_cache(geometry)
+        if not config.enforce_eager:
+            executor.capture_decode_graphs(config.max_num_seqs, max_model_len)
         self.executor = executor
         self.config = config
         self.tokenizer = tokenizer
@@ -72,6 +76,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.cache, max_model_len)
         eos = {self.model_config.eos_token_id} | set(getattr(tokenizer, "stop_token_ids", ()))
         self.output_processor = OutputProcessor(frozenset(eos), max_model_len, tokenizer)
+        self._structured_outputs: StructuredOutputs | None = None  # built by the first constrained request
         self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec and spec.method == "ngram" else None
         self.vision_encoder = vision_encoder
         multimodal = multimodal or MultiModalConfig()
@@ -123,11 +128,22 @@ class LLMEngine:
         params.validate(self.vocab_size, self.max_model_len)
         request = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
                           prompt_media)
-        for i in range(params.n):
+        for i in range(params.num_sequences):
             detok = self.output_processor.new_detokenizer(params.skip_special_tokens)
-            request.seqs.append(Sequence(self._next_seq_id, request, i, self._generator(params.seed, i), detok))
+            seq = Sequence(self._next_seq_id, request, i, self._generator(params.seed, i), detok)
+            if params.structured_outputs is not None:
+                seq.grammar = self.structured_outputs.new_state(params.structured_outputs, params.stop_token_ids)
+            request.seqs.append(seq)
             self._next_seq_id += 1
         return request
+
+    @property
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammar compiler over this engine's vocabulary (one compiled-grammar cache)."""
+        if self._structured_outputs is None:
+            self._structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size,
+                                                         self.output_processor.eos_token_ids)
+        return self._structured_outputs
 
     def _attach_media(self, ids: list[int], media: Seq[ProcessedMedia]) -> tuple[list[int], PromptMedia]:
         if self.vision_encoder is None:
@@ -211,7 +227,8 @@ class LLMEngine:
             self.stats.media_items_encoded += sum(len(m.spans) for m in pending.values())
 
     def _propose(self, out: SchedulerOutput) -> None:
-        rows = [sc for sc in out.seqs if sc.decode and sc.max_drafts > 0]
+        # drafts are verified on the raw logits, so sequences whose logits are processed never speculate
+        rows = [sc for sc in out.seqs if sc.decode and sc.max_drafts > 0 and not sc.seq.params.processes_logits]
         if not rows:
             return
         if self.proposer is not None:
@@ -244,7 +261,8 @@ class LLMEngine:
             elif sc.samples:
                 to_sample.append(sc)
         if to_sample:
-            last_rows = logits[[sc.logits_start + sc.num_logits - 1 for sc in to_sample]]
+            last_rows = self._process_logits(logits[[sc.logits_start + sc.num_logits - 1 for sc in to_sample]],
+                                             [sc.seq for sc in to_sample])
             tokens = sample(last_rows, [sc.seq.params for sc in to_sample], [sc.seq.generator for sc in to_sample])
             for sc, token in zip(to_sample, tokens):
                 new_tokens[sc.seq.seq_id] = [token]
@@ -253,13 +271,26 @@ class LLMEngine:
                 self._append(sc, logits, new_tokens[sc.seq.seq_id])
         return processed
 
+    def _process_logits(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """rows [M, V] -> the logits each sequence samples from: its logit_bias, penalties and grammar mask."""
+        if not any(seq.params.processes_logits for seq in seqs):
+            return rows
+        rows = process_logits(rows, [seq.params for seq in seqs], [seq.token_ids for seq in seqs],
+                              [seq.prompt_len for seq in seqs])
+        if any(seq.grammar is not None for seq in seqs):
+            self.structured_outputs.mask(rows, [seq.grammar for seq in seqs])
+        return rows
+
     def _append(self, sc: ScheduledSeq, logits: torch.Tensor, tokens: list[int]) -> None:
         seq = sc.seq
         entries: list = [None] * len(tokens)
-        if seq.params.logprobs is not None:
+        ranked = seq.params.num_sequences > seq.params.n  # best_of: needs each token's log-prob
+        if seq.params.logprobs is not None or ranked:
             first = sc.logits_start if sc.drafts else sc.logits_start + sc.num_logits - 1
-            entries = logprob_entries(logits[first : first + len(tokens)], tokens, seq.params.logprobs)
+            entries = logprob_entries(logits[first : first + len(tokens)], tokens, seq.params.logprobs or 0)
         for token, entry in zip(tokens, entries):
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             self.stats.generation_tokens += 1
             sc.num_new_tokens += 1
             if self.output_processor.append(seq, token, entry):

@@ -1,4 +1,5 @@
-"""What crosses the executor boundary: plain CPU tensors and ints, picklable for a Ray executor.
+"""What crosses the executor boundary: plain CPU tensors and ints, picklable for a Ray executor
+(media embeddings excepted: they stay where the vision encoder left them).
 
 An executor holds the model(s) and the cache pools; the scheduler decides every index. A BatchPlan
 goes as is to whatever runs the model (the local executor, each pipeline stage), which reads it
@@ -44,11 +45,11 @@ class BatchPlan:
     def num_logits(self) -> int:
         return self.logits_indices.numel()
 
-    def forward_batch(self, cache: ModelCache, device: torch.device | str = "cpu") -> ForwardBatch:
-        """The model's view of this batch over `cache`, its indices on `device`."""
-        spec = None if self.spec_state_slots is None else self.spec_state_slots.to(device)
-        return ForwardBatch(self.cu_seqlens.to(device), self.context_lens.to(device), self.state_slots.to(device),
-                            self.block_tables.to(device), cache, spec)
+    def forward_batch(self, cache: ModelCache) -> ForwardBatch:
+        """The model's view of this batch over `cache`, its indices copied to the cache's device
+        (once, for every layer)."""
+        return ForwardBatch(self.cu_seqlens, self.context_lens, self.state_slots, self.block_tables, cache,
+                            self.spec_state_slots)
 
     def without_media(self) -> BatchPlan:
         """What pipeline stages after the first get: they never read the media rows."""

@@ -60,7 +60,8 @@ def lookup(tokens: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[i
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
            generator: torch.Generator | None) -> list[int]:
     """logits [len(drafts) + 1, V] from feeding (last token, *drafts) -> the accepted drafts
-    followed by one target token (a correction, or the bonus token if every draft is accepted)."""
+    followed by one target token (a correction, or the bonus token if every draft is accepted).
+    The math runs on the logits' device; the acceptance test compares host uniforms with p_i(d_i)."""
     if params.greedy:
         target = logits.argmax(-1).tolist()
         out = []
@@ -69,10 +70,12 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
                 return out + [target[i]]
             out.append(d)
         return out + [target[len(drafts)]]
-    probs = sampling_probs(logits, params)  # [k + 1, V]
+    probs = sampling_probs(logits, params)  # [k + 1, V] on the logits' device
+    rows = torch.arange(len(drafts))
+    accept = probs[rows.to(probs.device), torch.tensor(drafts).to(probs.device)].tolist()  # p_i(d_i), one copy
     out = []
     for i, d in enumerate(drafts):
-        if uniform(generator) < float(probs[i, d]):
+        if uniform(generator) < accept[i]:
             out.append(d)
             continue
         residual = probs[i].clone()

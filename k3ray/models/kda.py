@@ -91,8 +91,8 @@ class KimiDeltaAttention(nn.Module):
         T = qkv.shape[0]
         H, K = self.num_heads, self.head_dim
         has_prior = (batch.prior_lens > 0)[:, None, None]
-        conv0 = torch.where(has_prior, conv_pool[slots], torch.zeros((), dtype=conv_pool.dtype))
-        state0 = torch.where(has_prior[..., None], state_pool[slots], torch.zeros(()))
+        conv0 = torch.where(has_prior, conv_pool[slots], 0.0)
+        state0 = torch.where(has_prior[..., None], state_pool[slots], 0.0)
         qkv, conv_final = causal_conv1d(qkv, self.conv_weight(), batch.cu_seqlens, conv0)
         q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, -1))
         q, k = l2norm(q, L2_NORM_EPS), l2norm(k, L2_NORM_EPS)

@@ -6,12 +6,15 @@ and `absorbed` (fold W_UK into q and W_UV after attention, MQA over the latent; 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from k3ray.config import MLA_NORM_EPS
+from k3ray.device import to_device
 from k3ray.kernels.mla import mla_decode, mla_prefill, mla_prefill_paged
-from k3ray.kernels.mla.naive import absorbed_mla_attention, gather_latent, naive_mla_attention
+from k3ray.kernels.mla.naive import absorbed_mla_attention, naive_mla_attention
 from k3ray.models.forward_batch import ForwardBatch
 from k3ray.models.norm import RMSNorm
 
@@ -97,27 +100,21 @@ class GatedMLA(nn.Module):
             o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
         return self.o_proj(o.to(x.dtype))
 
-    def _prefill_expanded(self, q, o, cache, batch: ForwardBatch, seqs: list[int], dtype) -> None:
-        """Naive form for the listed sequences: expand their cached latents to K / V, then one
+    def _prefill_expanded(self, q, o, cache, plan: ExpandedPrefill, dtype) -> None:
+        """Naive form for the plan's sequences: expand their cached latents to K / V, then one
         packed causal attention call."""
-        rows, ks, vs, cu_q, cu_k = [], [], [], [0], [0]
-        for i in seqs:
-            s, e = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-            lat = gather_latent(cache, batch.block_tables[i], int(batch.context_lens[i]), batch.cache.block_size)
-            k, v = self.expand_kv(lat.to(dtype))
-            ks.append(k)
-            vs.append(v)
-            rows.append(torch.arange(s, e))
-            cu_q.append(cu_q[-1] + e - s)
-            cu_k.append(cu_k[-1] + lat.shape[0])
-        rows_t = torch.cat(rows)
-        o[rows_t] = mla_prefill(q[rows_t], torch.cat(ks), torch.cat(vs), torch.tensor(cu_q), torch.tensor(cu_k), self.scale)
+        k, v = self.expand_kv(cache[plan.latent_slots].to(dtype))
+        if plan.rows is None:
+            o[:] = mla_prefill(q, k, v, plan.cu_q, plan.cu_k, self.scale)
+        else:
+            o[plan.rows] = mla_prefill(q[plan.rows], k, v, plan.cu_q, plan.cu_k, self.scale)
 
     # step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cache = batch.cache.mla_latent[self.layer_idx]
         q = self.project_q(x)
-        cache[batch.slot_mapping] = self.project_latent(x).to(cache.dtype)
+        latent = self.project_latent(x)
+        cache[batch.slot_mapping] = (latent if batch.latent_rows is None else latent[batch.latent_rows]).to(cache.dtype)
         split = batch.decode_split()
         if batch.is_decode:
             o = self._decode(q, cache, batch, x.dtype)
@@ -138,18 +135,48 @@ class GatedMLA(nn.Module):
     def _prefill(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, dtype) -> torch.Tensor:
         """Each sequence: absorbed paged attention when its score matrix is large, else expanded."""
         o = torch.empty(q.shape[0], self.num_heads, self.v_dim, dtype=dtype, device=q.device)
-        expanded = []
-        for i in range(batch.num_seqs):
-            s, e = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-            ctx = int(batch.context_lens[i])
-            if (e - s) * ctx * self.num_heads > EXPANDED_PREFILL_MAX_SCORES:
-                o_lat = mla_prefill_paged(
-                    self.absorb_q(q[s:e]), cache, batch.block_tables[i], ctx - (e - s),
-                    batch.cache.block_size, self.kv_lora_rank, self.scale,
-                )
-                o[s:e] = self.unabsorb_o(o_lat.to(dtype))
-            else:
-                expanded.append(i)
-        if expanded:
-            self._prefill_expanded(q, o, cache, batch, expanded, dtype)
+        paged, expanded = batch.derived(("mla_prefill", self.num_heads),
+                                        lambda: plan_prefill(batch, self.num_heads))
+        for i, s, e, prior in paged:
+            o_lat = mla_prefill_paged(
+                self.absorb_q(q[s:e]), cache, batch.block_tables[i], prior,
+                batch.cache.block_size, self.kv_lora_rank, self.scale,
+            )
+            o[s:e] = self.unabsorb_o(o_lat.to(dtype))
+        if expanded is not None:
+            self._prefill_expanded(q, o, cache, expanded, dtype)
         return o
+
+
+@dataclass(frozen=True)
+class ExpandedPrefill:
+    """The sequences of a prefill batch that attend in the expanded form, as one packed call."""
+
+    rows: torch.Tensor | None  # [Tq] their token rows (None: every row of the batch, in order)
+    latent_slots: torch.Tensor  # [Tk] cache rows of their contexts, sequence after sequence
+    cu_q: torch.Tensor  # [n + 1] host offsets of their queries
+    cu_k: torch.Tensor  # [n + 1] host offsets of their contexts
+
+
+def plan_prefill(batch: ForwardBatch, num_heads: int) -> tuple[list[tuple[int, int, int, int]], ExpandedPrefill | None]:
+    """Which sequences take the paged absorbed form ((seq, first row, end row, prior len) each) and
+    the expanded plan of the rest; worked out on the host once per batch, shared by every MLA layer."""
+    cu, ctx = batch.host_cu_seqlens, batch.host_context_lens
+    tables = batch.host_block_tables
+    bs = batch.cache.block_size
+    paged, rows, slots, cu_q, cu_k = [], [], [], [0], [0]
+    for i in range(batch.num_seqs):
+        s, e = cu[i], cu[i + 1]
+        if (e - s) * ctx[i] * num_heads > EXPANDED_PREFILL_MAX_SCORES:
+            paged.append((i, s, e, ctx[i] - (e - s)))
+            continue
+        pos = torch.arange(ctx[i])
+        rows.append(torch.arange(s, e))
+        slots.append(tables[i, pos // bs] * bs + pos % bs)
+        cu_q.append(cu_q[-1] + e - s)
+        cu_k.append(cu_k[-1] + ctx[i])
+    if not rows:
+        return paged, None
+    all_rows = not paged
+    moved = to_device([torch.cat(rows), torch.cat(slots)], batch.cache.device)
+    return paged, ExpandedPrefill(None if all_rows else moved[0], moved[1], torch.tensor(cu_q), torch.tensor(cu_k))

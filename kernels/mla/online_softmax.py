@@ -20,10 +20,10 @@ class OnlineSoftmax:
     """softmax(scores) @ values over keys that arrive chunk by chunk, for rows of any batch shape:
     the running max, sum and weighted values rescale as each chunk's scores come in."""
 
-    def __init__(self, rows: tuple[int, ...], width: int, dtype: torch.dtype) -> None:
-        self.max = torch.full((*rows, 1), float("-inf"), dtype=dtype)
-        self.sum = torch.zeros(*rows, 1, dtype=dtype)
-        self.acc = torch.zeros(*rows, width, dtype=dtype)
+    def __init__(self, rows: tuple[int, ...], width: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.max = torch.full((*rows, 1), float("-inf"), dtype=dtype, device=device)
+        self.sum = torch.zeros(*rows, 1, dtype=dtype, device=device)
+        self.acc = torch.zeros(*rows, width, dtype=dtype, device=device)
 
     def add(self, scores: torch.Tensor, values: torch.Tensor) -> None:
         """scores [*rows, C] (-inf where masked), values [*rows-batch, C, width] of one key chunk."""

@@ -29,11 +29,12 @@ def mla_prefill_paged_chunked(
     chunk = chunk or max(block_size, DECODE_CHUNK_ELEMENTS // max(Tq * H, 1))
     dtype = accumulation_dtype(q_latent, cache)
     qf = (q_latent.to(dtype) * scale).reshape(Tq * H, D)  # [Tq * H, D]
-    q_pos = (prior_len + torch.arange(Tq)).repeat_interleave(H)[:, None]  # [Tq * H, 1]
-    softmax = OnlineSoftmax((Tq * H,), L, dtype)
-    table = block_table.long()
+    device = cache.device
+    q_pos = (prior_len + torch.arange(Tq, device=device)).repeat_interleave(H)[:, None]  # [Tq * H, 1]
+    softmax = OnlineSoftmax((Tq * H,), L, dtype, device)
+    table = block_table.to(device).long()
     for c0 in range(0, total, chunk):
-        pos = torch.arange(c0, min(c0 + chunk, total))  # [C]
+        pos = torch.arange(c0, min(c0 + chunk, total), device=device)  # [C]
         lat = cache[table[pos // block_size] * block_size + pos % block_size].to(dtype)  # [C, D]
         s = (qf @ lat.T).masked_fill_(pos[None, :] > q_pos, float("-inf"))  # [Tq * H, C]
         softmax.add(s, lat[:, :L])
