@@ -3,6 +3,7 @@ generate in this process.
 
     from k3ray.api import K3
     k3 = K3.load("path/to/checkpoint")        # its own config.json: any widths and layer counts
+    k3 = K3.load("path", device="cuda:0")     # default "auto": CUDA when available
     logits = k3.logits([1, 2, 3])              # [3, vocab] fp32 full-sequence logits
     lp, greedy = k3.loglikelihood(ctx_ids, continuation_ids)
 """
@@ -15,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from k3ray.device import DeviceLike, resolve_device, to_device
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.k3 import K3ForCausalLM
 
@@ -29,20 +31,23 @@ class K3:
     prefill_chunk: int = 4096  # tokens per forward: bounds activation memory on long inputs
 
     @classmethod
-    def load(cls, path: str | None = None, dtype: torch.dtype = torch.float32) -> "K3":
-        """Load a checkpoint directory (config.json + safetensors, tokenizer files if present);
-        with no path, the deterministic tiny K3 checkpoint (made on first use)."""
+    def load(cls, path: str | None = None, dtype: torch.dtype = torch.float32, device: DeviceLike = "auto",
+             tokenizer: str | None = None) -> "K3":
+        """Load a checkpoint directory (config.json + safetensors, tokenizer files if present) onto
+        `device` ("auto": CUDA when available, "cpu", "cuda", "cuda:N"); with no path, the
+        deterministic tiny K3 checkpoint (made on first use). `tokenizer`: a directory holding the
+        tokenizer when the checkpoint has none of its own."""
         from k3ray.default_model import default_checkpoint_dir
-        from k3ray.tokenizer import load_tokenizer
+        from k3ray.tokenizer.load import tokenizer_for
         from k3ray.weights import load_model
 
         path = path or default_checkpoint_dir()
-        model = load_model(path, dtype=dtype)
-        try:
-            tokenizer = load_tokenizer(path)
-        except ValueError:
-            tokenizer = None
-        return cls(model.eval(), tokenizer, name=model.config.name)
+        model = load_model(path, dtype=dtype, device=resolve_device(device))
+        return cls(model.eval(), tokenizer_for(path, tokenizer), name=model.config.name)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @property
     def vocab_size(self) -> int:
@@ -62,18 +67,21 @@ class K3:
 
     def _session(self, total_len: int) -> ModelCache:
         blocks = max(1, math.ceil(total_len / BLOCK_SIZE))
-        return ModelCache.allocate(self.model.config, 1, blocks, BLOCK_SIZE, dtype=self.model.dtype)
+        return ModelCache.allocate(self.model.config, 1, blocks, BLOCK_SIZE, dtype=self.model.dtype,
+                                   device=self.device)
 
     def _step(self, cache: ModelCache, ids: torch.Tensor, prior: int, all_logits: bool) -> torch.Tensor:
+        """ids [n] on the host -> fp32 logits on the model's device (every row, or the last)."""
         n = ids.numel()
         table = torch.arange(_blocks(cache))[None]
         batch = ForwardBatch(torch.tensor([0, n]), torch.tensor([prior + n]), torch.tensor([0]), table, cache)
         idx = None if all_logits else torch.tensor([n - 1])
-        return self.model(ids, batch, logits_indices=idx).float()
+        moved = to_device([ids] if idx is None else [ids, idx], self.device)
+        return self.model(moved[0], batch, logits_indices=None if idx is None else moved[1]).float()
 
     @torch.no_grad()
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Full-sequence logits [T, vocab] (fp32): row t scores the token after position t."""
+        """Full-sequence logits [T, vocab] (fp32, on the model's device): row t scores the token after position t."""
         ids = self._check_ids(token_ids)
         cache = self._session(ids.numel())
         out = [self._step(cache, ids[s : s + self.prefill_chunk], s, True) for s in range(0, ids.numel(), self.prefill_chunk)]
@@ -87,8 +95,10 @@ class K3:
         ids = list(context) + list(continuation)
         logp = torch.log_softmax(self.logits(ids), -1)
         rows = logp[len(context) - 1 : len(ids) - 1]  # predictions for the continuation tokens
-        target = torch.tensor(list(continuation))
-        return rows.gather(-1, target[:, None]).sum().item(), bool((rows.argmax(-1) == target).all())
+        target = torch.tensor(list(continuation)).to(rows.device)
+        lp, greedy = torch.stack([rows.gather(-1, target[:, None]).sum().double(),
+                                  (rows.argmax(-1) == target).all().double()]).tolist()  # one copy back
+        return lp, bool(greedy)
 
     @torch.no_grad()
     def generate(
@@ -107,7 +117,7 @@ class K3:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         ids = self._check_ids(prompt_ids)
         stops = set(stop_token_ids or ()) | {self.model.config.eos_token_id}
-        gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+        gen = torch.Generator(device=self.device).manual_seed(seed if seed is not None else 0)  # draws where the logits are
         cache = self._session(ids.numel() + max_new_tokens)
         logits = None
         for s in range(0, ids.numel(), self.prefill_chunk):

@@ -2,6 +2,7 @@
 
     llm = LLM()                                   # the default tiny K3 checkpoint
     llm = LLM("path/to/checkpoint")               # any K3-shaped checkpoint directory
+    llm = LLM("path/to/checkpoint", device="cuda:1", enforce_eager=True)  # no CUDA graphs
     llm = LLM(build_model(preset("k3-tiny")), tokenizer=ByteTokenizer())
     outs = llm.generate(["Hello", "Hi"], SamplingParams(temperature=0, max_tokens=16))
 
@@ -21,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from k3ray.device import DeviceLike, resolve_device
 from k3ray.engine.config import EngineConfig, SpeculativeConfig
 from k3ray.engine.executor import LocalExecutor
 from k3ray.engine.llm_engine import LLMEngine
@@ -52,22 +54,30 @@ class LLM:
         draft_model: str | os.PathLike | K3ForCausalLM | None = None,
         speculative: SpeculativeConfig | None = None,
         dtype: torch.dtype = torch.float32,
+        device: DeviceLike = None,
         **engine_options,
     ) -> None:
-        """engine_options are EngineConfig fields (max_num_seqs, block_size, num_blocks, ...). `vision`
-        (a K3VisionModel or an encoder callable) enables media prompts; a checkpoint directory brings
-        its own vision tower and preprocessor_config.json when it has them."""
+        """engine_options are EngineConfig fields (max_num_seqs, block_size, num_blocks, enforce_eager,
+        ...). `device` ("auto", "cpu", "cuda", "cuda:N"; None: "auto" for a checkpoint, where a given
+        model already is for a K3ForCausalLM) holds the model, its caches and sampling. `vision` (a
+        K3VisionModel or an encoder callable) enables media prompts; a checkpoint directory brings
+        its own vision tower and preprocessor_config.json when it has them. `tokenizer`: a Tokenizer,
+        or a directory holding one (default: the checkpoint's own)."""
         path = None if isinstance(model, K3ForCausalLM) else _checkpoint_dir(model)
-        model, found_tokenizer = _load(model if path is None else path, dtype)
-        tokenizer = tokenizer if tokenizer is not None else found_tokenizer
-        draft = None if draft_model is None else _load(draft_model, dtype)[0]
+        if device is None:
+            device = next(model.parameters()).device if path is None else "auto"
+        device = resolve_device(device)
+        model, tokenizer = _load(model if path is None else path, dtype, device, tokenizer)
+        draft = None if draft_model is None else _load(draft_model, dtype, device)[0]
         if draft is not None and speculative is None:
             speculative = SpeculativeConfig(method="draft")
         config = EngineConfig(speculative=speculative, **engine_options)
         multimodal = multimodal or MultiModalConfig()
         tower = model.config.vision
         if vision is None and path is not None and tower is not None and has_vision_weights(path):
-            vision = load_vision(path, dtype)
+            vision = load_vision(path, dtype, device)
+        elif isinstance(vision, K3VisionModel):
+            vision = vision.to(device)
         if vision is not None and path is not None and tower is not None and multimodal.media is None:
             multimodal = replace(multimodal, media=load_media_config(path, tower))
         encoder = local_vision_encoder(vision) if isinstance(vision, K3VisionModel) else vision
@@ -173,20 +183,16 @@ def _checkpoint_dir(model) -> str | os.PathLike:
     return model
 
 
-def _load(model, dtype: torch.dtype):
-    """(model, tokenizer found beside it or None)."""
+def _load(model, dtype: torch.dtype, device: torch.device, tokenizer=None):
+    """(model on device, the tokenizer: given, loaded from a given directory, found beside the model or None)."""
+    from k3ray.tokenizer.load import tokenizer_for
+
     if isinstance(model, K3ForCausalLM):
-        return model, None
-    from k3ray.tokenizer import load_tokenizer
+        return model.to(device), tokenizer_for(None, tokenizer)
     from k3ray.weights import load_model
 
     model = _checkpoint_dir(model)
-    loaded = load_model(model, dtype=dtype)
-    try:
-        tokenizer = load_tokenizer(model)
-    except ValueError:
-        tokenizer = None
-    return loaded, tokenizer
+    return load_model(model, dtype=dtype, device=device), tokenizer_for(model, tokenizer)
 
 
 def _prompt_list(prompts) -> list:

@@ -4,6 +4,7 @@ Scaled so a random tiny model has peaked logits (greedy decoding is not decided 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -56,9 +57,13 @@ def init_random_weights(model: K3ForCausalLM, seed: int = 0) -> K3ForCausalLM:
     return model
 
 
-def build_model(config, dtype: torch.dtype = torch.float32, seed: int | None = 0, **kwargs) -> K3ForCausalLM:
-    """A K3ForCausalLM on CPU, randomly initialised with `seed` (or left uninitialised if None)."""
-    model = K3ForCausalLM(config, dtype=dtype, **kwargs)
+def build_model(config, dtype: torch.dtype = torch.float32, seed: int | None = 0,
+                device: torch.device | str | None = None, **kwargs) -> K3ForCausalLM:
+    """A K3ForCausalLM built on `device` (None: torch's current default, normally the CPU),
+    randomly initialised with `seed` (the same values on every device; drawn on the CPU), or left
+    as constructed if None (a loader fills it)."""
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = K3ForCausalLM(config, dtype=dtype, **kwargs)
     if seed is not None:
         init_random_weights(model, seed)
     return model.eval()

@@ -4,6 +4,7 @@ packed pixel_values + grid_thws -> one text-width embedding per media placeholde
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -95,9 +96,12 @@ def init_random_vision_weights(model: K3VisionModel, seed: int = 0) -> K3VisionM
     return model
 
 
-def build_vision_model(config: VisionConfig, dtype: torch.dtype = torch.float32, seed: int | None = 0) -> K3VisionModel:
-    """A K3VisionModel on CPU, randomly initialised with `seed` (or left as constructed if None)."""
-    model = K3VisionModel(config, dtype)
+def build_vision_model(config: VisionConfig, dtype: torch.dtype = torch.float32, seed: int | None = 0,
+                       device: torch.device | str | None = None) -> K3VisionModel:
+    """A K3VisionModel built on `device` (None: torch's current default, normally the CPU),
+    randomly initialised with `seed` (drawn on the CPU) or left as constructed if None."""
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = K3VisionModel(config, dtype)
     if seed is not None:
         init_random_vision_weights(model, seed)
     return model.eval()

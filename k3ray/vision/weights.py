@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from k3ray.device import DeviceLike, resolve_device
 from k3ray.vision.model import K3VisionModel, build_vision_model
 from k3ray.weights.checkpoint_dir import (
     CONFIG_FILE,
@@ -49,12 +50,13 @@ def _check_float(name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
         raise ValueError(f"{name}: checkpoint dtype {tensor.dtype} is not a float type")
 
 
-def load_vision(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> K3VisionModel:
-    """Build the vision model described by `path/config.json` (its `vision_config`) and load it."""
+def load_vision(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: DeviceLike = "cpu") -> K3VisionModel:
+    """Build the vision model described by `path/config.json` (its `vision_config`) on `device`
+    and load it straight onto it."""
     path = os.fspath(path)
     config = read_config(path)
     if config.vision is None:
         raise ValueError(f"{os.path.join(path, CONFIG_FILE)} has no vision_config: this checkpoint has no vision tower")
-    model = build_vision_model(config.vision, dtype, seed=None)
+    model = build_vision_model(config.vision, dtype, seed=None, device=resolve_device(device))
     load_vision_checkpoint(model, path)
     return model

@@ -94,8 +94,10 @@ def copy_from_shard(
     file: str, targets: list[tuple[str, torch.Tensor]], check_dtype: Callable[[str, torch.Tensor, torch.Tensor], None]
 ) -> None:
     """Copy each (checkpoint name, target tensor) of `targets` from the shard `file`, once the tensor
-    is there with the target's exact shape and `check_dtype(name, tensor, target)` has not raised."""
-    with safe_open(file, framework="pt") as f, torch.no_grad():
+    is there with the target's exact shape and `check_dtype(name, tensor, target)` has not raised.
+    Tensors are read one at a time straight onto the targets' device (never the whole shard)."""
+    device = str(targets[0][1].device) if targets else "cpu"
+    with safe_open(file, framework="pt", device=device) as f, torch.no_grad():
         present = set(f.keys())
         for name, target in targets:
             if name not in present:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from k3ray.config import ModelConfig
+from k3ray.device import DeviceLike, resolve_device
 from k3ray.models.init import build_model
 from k3ray.models.k3 import K3ForCausalLM
 from k3ray.weights.checkpoint_dir import check_keys, copy_from_shard, group_by_shard, open_weight_map, read_config
@@ -86,10 +87,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     layer_range: tuple[int, int] | None = None,
     expert_range: tuple[int, int] | None = None,
+    device: DeviceLike = "cpu",
 ) -> K3ForCausalLM:
-    """Build the model (or slice) described by `path/config.json` and load its weights."""
+    """Build the model (or slice) described by `path/config.json` on `device` ("auto", "cpu",
+    "cuda", "cuda:N") and load its weights straight onto it (MXFP4 experts stay packed)."""
     path = os.fspath(path)
     config = read_config(path)
-    model = build_model(config, dtype, seed=None, layer_range=layer_range, expert_range=expert_range)
+    model = build_model(config, dtype, seed=None, device=resolve_device(device), layer_range=layer_range,
+                        expert_range=expert_range)
     load_checkpoint(model, path)
     return model
