@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 
+from k3ray.device_flags import add_device_argument, add_enforce_eager_argument
+
 HELP = "long-context and multimodal evals against an endpoint or engine"
 SUITE_HELP = {
     "niah": "needle in a haystack over a context-length x needle-depth grid (gkamradt style)",
@@ -97,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help="tokens per engine step: the prefill chunk of a long prompt")
         engine.add_argument("--cache-memory-mb", type=float, default=1024.0, help="MLA cache + state budget")
         engine.add_argument("--torch-threads", type=int, help="torch threads (default: torch's)")
+        add_device_argument(engine)
+        add_enforce_eager_argument(engine)
     add_lm_eval_arguments(suites.add_parser("lm-eval", help=LM_EVAL_HELP, description=LM_EVAL_HELP))
 
 
@@ -147,7 +151,8 @@ def _engine_target(args: argparse.Namespace):
         torch.set_num_threads(args.torch_threads)
     options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     llm = LLM(args.checkpoint, max_num_batched_tokens=args.max_num_batched_tokens,
-              cache_memory_bytes=int(args.cache_memory_mb * 1024**2), **options)
+              cache_memory_bytes=int(args.cache_memory_mb * 1024**2), device=args.device,
+              enforce_eager=args.enforce_eager, **options)
     return EngineTarget(llm)
 
 

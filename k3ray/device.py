@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")  # for help texts; "cuda:N" is any index
+from k3ray.device_flags import DEVICE_CHOICES
+
 DeviceLike = str | torch.device | None
 
 
@@ -46,9 +47,3 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
         out.append(moved[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
     return out
-
-
-def add_device_argument(parser) -> None:
-    """The `--device` flag every command that runs the model takes."""
-    parser.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
-                        help="where the model, its caches and sampling run (auto: CUDA when available)")

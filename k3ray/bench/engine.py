@@ -7,6 +7,9 @@ spec_speedup       plain over n-gram speculative wall time for repetitive text, 
                    acceptance rate (the random tiny model never repeats itself, so this section
                    scales its attention outputs down until its greedy text loops: see config)
 long_prompt_*      one prompt through chunked prefill: seconds and the peak RSS while it ran
+engine_vs_forward_decode, cuda_graphs_speedup (CUDA only) engine decode tok/s at `concurrency`
+                   streams with CUDA graphs over the bare captured-graph forward of the same
+                   batch, and over the same engine run eagerly
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import psutil
 import torch
 
 from k3ray.bench.common import machine
+from k3ray.bench.model import graph_decode_seconds
 from k3ray.config import preset
+from k3ray.device import resolve_device
+from k3ray.device_flags import add_device_argument, add_enforce_eager_argument
 from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
 from k3ray.models.init import build_model
 
@@ -46,14 +52,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-attn-scale", type=float, default=0.1)
     parser.add_argument("--long-prompt-tokens", type=int, default=16384, help="e.g. 1048576 for 1M")
     parser.add_argument("--long-chunk", type=int, default=512, help="prefill tokens per step")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["batching", "prefix", "spec", "long"])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model weights")
+    parser.add_argument("--graph-max-tokens", type=int, default=128, help="decode steps timed per CUDA-graph run")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["batching", "prefix", "spec", "long", "graphs"])
+    add_device_argument(parser)
+    add_enforce_eager_argument(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.device = resolve_device(args.device)
     result: dict[str, Any] = {}
-    model = build_model(preset(args.preset), seed=0)
+    model = build_model(preset(args.preset), getattr(torch, args.dtype), seed=0, device=args.device)
+    if "graphs" not in args.skip and args.device.type == "cuda":
+        result.update(bench_graphs(model, args))
     if "batching" not in args.skip:
         result.update(bench_batching(model, args))
     if "prefix" not in args.skip:
@@ -63,7 +76,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "long" not in args.skip:
         result.update(bench_long_prompt(model, args))
     result["machine"] = machine()
-    result["config"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"}
+    result["config"] = {k: str(v) if k == "device" else v for k, v in vars(args).items()
+                        if not k.startswith("_") and k != "json"}
     result["config"]["spec_model"] = (
         f"{args.preset} with attention o_proj scaled by {args.spec_attn_scale} (greedy text loops)"
     )
@@ -82,7 +96,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 def bench_batching(model, args) -> dict[str, Any]:
     prompts = _prompts(args.concurrency, args.batch_prompt_tokens, 0)
     per_seq = args.batch_prompt_tokens + args.batch_max_tokens
-    llm = LLM(model, max_num_seqs=args.concurrency, block_size=args.block_size,
+    llm = LLM(model, max_num_seqs=args.concurrency, block_size=args.block_size, enforce_eager=args.enforce_eager,
               num_blocks=args.concurrency * _blocks(per_seq, args.block_size), enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=args.batch_max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], params)  # warm-up
@@ -97,10 +111,35 @@ def bench_batching(model, args) -> dict[str, Any]:
             "batching_speedup": concurrent / sequential}
 
 
+def bench_graphs(model, args) -> dict[str, Any]:
+    """CUDA only: engine decode at `concurrency` streams with CUDA graphs, against the same engine
+    eager and against the bare captured-graph forward of the same batch (no scheduler, no sampler)."""
+    streams, steps = args.concurrency, args.graph_max_tokens
+    prompts = _prompts(streams, 8, 5)
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    tok_s = {}
+    for name, eager in (("graphs", False), ("eager", True)):
+        llm = LLM(model, max_num_seqs=streams, block_size=args.block_size, enforce_eager=eager,
+                  num_blocks=streams * _blocks(8 + steps, args.block_size), enable_prefix_caching=False)
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        tok_s[name] = streams * steps / (time.perf_counter() - t0)
+        del llm
+    forward = statistics.median(graph_decode_seconds(model, torch.randint(0, 256, (8,)), streams, steps, args.device)
+                                for _ in range(3))
+    forward_tok_s = streams * steps / forward
+    return {"engine_decode_graphs_tok_s": tok_s["graphs"], "engine_decode_eager_tok_s": tok_s["eager"],
+            "forward_decode_graphs_tok_s": forward_tok_s,
+            "engine_vs_forward_decode": tok_s["graphs"] / forward_tok_s,
+            "cuda_graphs_speedup": tok_s["graphs"] / tok_s["eager"]}
+
+
 def bench_prefix(model, args) -> dict[str, Any]:
     n, shared = args.prefix_prompt_tokens, int(args.prefix_prompt_tokens * args.prefix_shared)
     stride = args.snapshot_interval * args.block_size
     llm = LLM(model, max_num_seqs=4, block_size=args.block_size, num_blocks=8 * _blocks(n, args.block_size),
+              enforce_eager=args.enforce_eager,
               max_num_batched_tokens=n, snapshot_interval=args.snapshot_interval,
               num_snapshot_slots=4 * (n // stride + 2))
     params = SamplingParams(temperature=0, max_tokens=1)
@@ -117,13 +156,13 @@ def bench_prefix(model, args) -> dict[str, Any]:
 
 
 def bench_spec(args) -> dict[str, Any]:
-    model = build_model(preset(args.preset), seed=0)
+    model = build_model(preset(args.preset), getattr(torch, args.dtype), seed=0, device=args.device)
     with torch.no_grad():
         for layer in model.model.layers.values():
             layer.self_attn.o_proj.weight.mul_(args.spec_attn_scale)
     prompts = [[24, 423] * 3, list(b"the cat sat on the mat. the cat sat on the mat. the cat")]
     params = SamplingParams(temperature=0, max_tokens=args.spec_max_tokens, ignore_eos=True)
-    common = dict(max_num_seqs=4, block_size=args.block_size, enable_prefix_caching=False,
+    common = dict(max_num_seqs=4, block_size=args.block_size, enable_prefix_caching=False, enforce_eager=args.enforce_eager,
                   num_blocks=4 * _blocks(args.spec_max_tokens + 64, args.block_size))
     plain = LLM(model, **common)
     spec = LLM(model, speculative=SpeculativeConfig("ngram", args.spec_tokens), **common)
@@ -143,6 +182,7 @@ def bench_spec(args) -> dict[str, Any]:
 def bench_long_prompt(model, args) -> dict[str, Any]:
     n = args.long_prompt_tokens
     llm = LLM(model, max_num_seqs=1, block_size=args.block_size, num_blocks=_blocks(n + 2, args.block_size),
+              enforce_eager=args.enforce_eager,
               max_num_batched_tokens=args.long_chunk, enable_prefix_caching=False)
     prompt = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(3)).tolist()
     peak = _PeakRss()

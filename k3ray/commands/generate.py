@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from k3ray.device_flags import add_device_argument
+
 HELP = "generate text in this process from a checkpoint"
 
 
@@ -16,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    add_device_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -25,7 +28,7 @@ def main(args: argparse.Namespace) -> int:
 
     from k3ray.api import K3
 
-    k3 = K3.load(args.model, dtype=getattr(torch, args.dtype))
+    k3 = K3.load(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     prompt = args.prompt
     if args.chat:
         prompt = k3.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
