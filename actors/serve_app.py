@@ -22,6 +22,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
+from k3ray.actors.admission import Admission
 from k3ray.actors.openai_routes import build_openai_app
 from k3ray.actors.openai_serving import OpenAIServing
 from k3ray.actors.serve_config import ServeArgs, resources
@@ -43,21 +44,24 @@ class K3Server:
         self.engine: AsyncEngine | EngineClient
         if self.args.engine.engine_process and not self.args.distributed:
             self.engine = await asyncio.to_thread(EngineClient.start, functools.partial(local_engine, self.args))
-            tokenizer = await asyncio.to_thread(load_tokenizer, self.args.model.model)
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.args.model.tokenizer or self.args.model.model)
         else:
             placement_group = ray.util.get_current_placement_group() if self.args.distributed else None
             engine, self.executor = await asyncio.to_thread(build_engine, self.args, placement_group)
             self.engine, tokenizer = AsyncEngine(engine), engine.tokenizer
         expert_load = getattr(self.executor, "expert_load", None)
         self.metrics = ServeMetrics(self.args.server.served_model_name, self.engine.get_stats, expert_load)
-        self.serving = OpenAIServing(self.engine, tokenizer, self.args.server.served_model_name, self.metrics)
+        server = self.args.server
+        admission = Admission(server.max_queued_tokens or None, server.max_queue_wait_s or None, server.retry_after_s)
+        self.serving = OpenAIServing(self.engine, tokenizer, server.served_model_name, self.metrics, admission)
         logger.info("K3Server ready: %s, max_model_len %d, %s", self.args.server.served_model_name,
                     self.engine.info.max_model_len, type(self.executor or self.engine).__name__)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.serving, metrics=self.metrics, health=self.health,
                                 api_key=self.args.server.api_key or os.environ.get("K3RAY_API_KEY") or None,
-                                max_body_bytes=self.args.server.max_body_bytes)
+                                max_body_bytes=self.args.server.max_body_bytes,
+                                retry_after_s=self.args.server.retry_after_s)
 
     async def health(self) -> tuple[bool, str]:
         """A local model is healthy while the replica answers (and its engine process lives); a Ray

@@ -26,7 +26,7 @@ class Settings(BaseModel):
 
 class ServerSettings(Settings):
     """The HTTP side: the model id, auth, body size, and admission (at most max_ongoing_requests
-    per replica, then a bounded queue, then 429)."""
+    per replica, then a queue bounded by requests, prompt tokens and expected wait, then 429)."""
 
     served_model_name: str | None = Field(
         None, description="the model id clients send; null = the checkpoint folder name")
@@ -37,14 +37,21 @@ class ServerSettings(Settings):
         None, ge=1, description="requests per replica at once; null = engine max_num_seqs")
     max_queued_requests: int = Field(256, ge=-1, description="requests waiting for a replica, then 429; -1 = no bound")
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After of a 429")
+    max_queued_tokens: int = Field(
+        65536, ge=0, description="prompt tokens waiting in a replica (admitted, no output yet), then 429; 0 = no bound")
+    max_queue_wait_s: float = Field(
+        30.0, ge=0, description="expected wait in a replica's queue (its waiting prompt tokens / its measured "
+        "throughput) beyond which requests get 429 with Retry-After; 0 = no bound")
 
 
 class ModelSettings(Settings):
-    """The checkpoint and its dtype."""
+    """The checkpoint, its dtype and tokenizer."""
 
     model: str | None = Field(
         None, description="checkpoint directory, visible on every node; null = the tiny K3, made on first use")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and activations")
+    tokenizer: str | None = Field(
+        None, description="tokenizer directory, for a checkpoint that holds none; null = the checkpoint's own")
 
 
 class ParallelSettings(Settings):
@@ -115,6 +122,9 @@ class MediaSettings(Settings):
     max_media_bytes: int | None = Field(None, ge=1, description="bytes per media item; null = the checkpoint's "
                                         "media config")
     max_media_per_prompt: int = Field(128, ge=0, description="media items per prompt")
+    max_request_pixels: int | None = Field(
+        None, ge=1, description="decoded pixels per request, summed over all its images and video frames (each "
+        "checked before it is decoded); null = the checkpoint's media config (2^28)")
     media_fetch_timeout_s: float = Field(10.0, gt=0, description="per remote media URL")
 
 
@@ -142,7 +152,8 @@ class ServeArgs(Settings):
             path = default_checkpoint_dir()
         path = os.path.abspath(os.path.expanduser(path))
         name = self.server.served_model_name or os.path.basename(path.rstrip("/"))
-        return self.model_copy(update={"model": self.model.model_copy(update={"model": path}),
+        tokenizer = self.model.tokenizer and os.path.abspath(os.path.expanduser(self.model.tokenizer))
+        return self.model_copy(update={"model": self.model.model_copy(update={"model": path, "tokenizer": tokenizer}),
                                        "server": self.server.model_copy(update={"served_model_name": name})})
 
     def parallel_config(self):

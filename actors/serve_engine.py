@@ -33,6 +33,8 @@ def multimodal_config(args: ServeArgs, vision: VisionConfig) -> MultiModalConfig
     the server's media limits."""
     m = args.media
     limit = {} if m.max_media_bytes is None else {"max_input_bytes": m.max_media_bytes}
+    if m.max_request_pixels is not None:
+        limit["max_request_pixels"] = m.max_request_pixels
     return MultiModalConfig(
         media=load_media_config(args.model.model, vision, **limit),
         max_items_per_prompt=m.max_media_per_prompt,
@@ -52,7 +54,7 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
     if args.engine.torch_threads is not None:
         torch.set_num_threads(args.engine.torch_threads)
     dtype = getattr(torch, args.model.dtype)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(args.model.tokenizer or path)
     executor: Executor
     vision_encoder: VisionEncoderFn | None = None
     if args.distributed:

@@ -244,6 +244,18 @@ _TEXT_FIELDS = (
     ("eos_token_id", "eos_token_id", False),
     ("pad_token_id", "pad_token_id", False),
 )
+# what the published `KimiLinearConfig` (configuration_kimi.py) sets for a key its config.json leaves out;
+# the dataclass defaults are K3's values, which only K3-specific keys the class lacks fall back to
+_PUBLISHED_CLASS_DEFAULTS = {
+    "first_k_dense_replace": 0,
+    "rms_norm_eps": 1e-6,
+    "num_shared_experts": 0,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 1.0,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 _KDA_FIELDS = (  # in text_config.linear_attn_config
     ("kda_num_heads", "num_heads", True),
     ("kda_head_dim", "head_dim", True),
@@ -337,7 +349,7 @@ def _text_from_hf(
     if t.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"text_config.moe_layer_freq must be 1, got {t['moe_layer_freq']!r}")
     fields = _fields_from_hf(t, _TEXT_FIELDS, "text_config") | _fields_from_hf(lin, _KDA_FIELDS, "linear_attn_config")
-    fields.setdefault("num_shared_experts", 1)  # what an HF config without the key means (K3 has 2)
+    fields = _PUBLISHED_CLASS_DEFAULTS | fields
     kwargs: dict[str, Any] = dict(
         fields,
         layer_types=_layer_types_from_hf(num_layers, lin),

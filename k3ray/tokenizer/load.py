@@ -29,3 +29,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         f"no tokenizer in {str(directory)!r}: looked for {MODEL_FILE} (with {CONFIG_FILE}) or a {CONFIG_FILE} "
         f"whose tokenizer_class is {BYTE_TOKENIZER_CLASS!r}; found {found}"
     )
+
+
+def tokenizer_for(checkpoint: str | Path | None, tokenizer=None) -> Tokenizer | None:
+    """The tokenizer to use with a checkpoint: `tokenizer` itself if it is one, loaded from it if it
+    is a directory (errors raise), else the checkpoint's own (None if it holds none)."""
+    if isinstance(tokenizer, (str, Path)) or hasattr(tokenizer, "__fspath__"):
+        return load_tokenizer(tokenizer)
+    if tokenizer is not None or checkpoint is None:
+        return tokenizer
+    try:
+        return load_tokenizer(checkpoint)
+    except ValueError:
+        return None
