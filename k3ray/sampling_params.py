@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must parse as (vLLM's names): `json` a JSON schema (a dict or its JSON text,
+    kept as canonical JSON text), or `json_object` any JSON object. Exactly one is set."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", _json_text(self.json))
+        elif self.json is not None and not isinstance(self.json, str):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}")
+        if (self.json is not None) == bool(self.json_object):
+            raise ValueError("structured_outputs needs exactly one of json (a schema) or json_object=True")
 
 
 @dataclass(frozen=True)
@@ -34,6 +53,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    best_of: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -44,11 +69,27 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         ids = () if self.stop_token_ids is None else self.stop_token_ids
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _int_keys(self.logit_bias))
         self._check_values()
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request samples: best_of, else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (the penalties, logit_bias or a grammar)."""
+        return self.has_penalties or bool(self.logit_bias) or self.structured_outputs is not None
 
     def validate(self, vocab_size: int, max_model_len: int) -> None:
         """Raise ValueError if these settings cannot run on a model with this vocabulary and context."""
@@ -56,6 +97,13 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in self.logit_bias or {} if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
+        if self.structured_outputs is not None:
+            from k3ray.engine.structured_output import check_grammar
+
+            check_grammar(self.structured_outputs)
         if self.max_tokens is not None and self.max_tokens >= max_model_len:
             raise ValueError(
                 f"max_tokens={self.max_tokens} can never be reached: at most max_model_len - 1 = "
@@ -91,6 +139,29 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, low=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_real(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _check_real("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for token, bias in (self.logit_bias or {}).items():
+            _check_real(f"logit_bias[{token}]", bias)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, low=1)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            if self.ignore_eos:
+                raise ValueError("structured_outputs cannot be combined with ignore_eos: the grammar ends the "
+                                 "output with an end-of-sequence token")
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -98,6 +169,28 @@ def _check_int(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _int_keys(logit_bias: object) -> dict[int, float]:
+    """Token ids as ints: the OpenAI API sends them as JSON object keys, i.e. strings."""
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {logit_bias!r}")
+    out = {}
+    for key, bias in logit_bias.items():
+        try:
+            token = int(key) if isinstance(key, str) else key
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        _check_int("logit_bias key", token, low=0)
+        out[token] = bias
+    return out
+
+
+def _json_text(schema: dict) -> str:
+    try:
+        return json.dumps(schema, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"structured_outputs.json is not JSON-serialisable: {e}") from None
 
 
 def _check_real(name: str, value: object) -> None:

@@ -30,7 +30,6 @@ from k3ray.engine.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 from k3ray.engine.sequence import Request, Sequence
 from k3ray.engine.spec import NgramProposer, verify
 from k3ray.engine.stats import EngineStats, StatsCollector
-from k3ray.engine.structured_output import StructuredOutputs
 from k3ray.sampling_params import SamplingParams
 from k3ray.vision import MediaConfig, ProcessedMedia
 
@@ -76,7 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.cache, max_model_len)
         eos = {self.model_config.eos_token_id} | set(getattr(tokenizer, "stop_token_ids", ()))
         self.output_processor = OutputProcessor(frozenset(eos), max_model_len, tokenizer)
-        self._structured_outputs: StructuredOutputs | None = None  # built by the first constrained request
+        self._structured_outputs = None  # StructuredOutputs, built by the first constrained request
         self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec and spec.method == "ngram" else None
         self.vision_encoder = vision_encoder
         multimodal = multimodal or MultiModalConfig()
@@ -138,9 +137,12 @@ class LLMEngine:
         return request
 
     @property
-    def structured_outputs(self) -> StructuredOutputs:
-        """The grammar compiler over this engine's vocabulary (one compiled-grammar cache)."""
+    def structured_outputs(self):
+        """The grammar compiler over this engine's vocabulary (one compiled-grammar cache); imported on
+        first use, as xgrammar brings transformers (seconds) with it."""
         if self._structured_outputs is None:
+            from k3ray.engine.structured_output import StructuredOutputs
+
             self._structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size,
                                                          self.output_processor.eos_token_ids)
         return self._structured_outputs

@@ -9,6 +9,7 @@ them are in the caches. Decode and prefill are the same thing: feed tokens
 from __future__ import annotations
 
 import enum
+from dataclasses import replace
 
 import torch
 
@@ -42,6 +43,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[PositionLogprobs] | None = [] if self.params.logprobs is not None else None
+        self.grammar = None  # a GrammarState when the output is constrained (structured outputs)
         # cache bookkeeping (Scheduler)
         self.state_slot: int | None = None
         self.spec_slots: list[int] = []
@@ -113,7 +115,17 @@ class Request:
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-            outputs=[s.completion() for s in self.seqs],
+            outputs=self._completions(),
             finished=self.finished,
             metrics=self.metrics,
         )
+
+    def _completions(self) -> list[CompletionOutput]:
+        """Every sequence's; with best_of > n, nothing until all finish, then the n with the highest
+        cumulative log-probability, best first, indexed 0..n-1."""
+        if self.params.num_sequences == self.params.n:
+            return [s.completion() for s in self.seqs]
+        if not self.finished:
+            return []
+        best = sorted(self.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: self.params.n]
+        return [replace(s.completion(), index=i) for i, s in enumerate(best)]
