@@ -22,6 +22,46 @@ def decode_batch_sizes(max_batch: int) -> list[int]:
     return small + [b for b in range(8, max_batch, 8)] + [max_batch]
 
 
+class DecodeInputs:
+    """A decode batch of up to max_batch sequences (max_blocks blocks each) in one int64 buffer:
+    ids, context_lens, state_slots, slot_mapping, latent_rows [B] each, then block_tables [B, W]."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device, pin: bool = False) -> None:
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.buffer = torch.zeros(FIELDS * max_batch + max_batch * max_blocks, dtype=torch.long, device=device)
+        if pin:
+            self.buffer = self.buffer.pin_memory()
+        B = max_batch
+        self.ids, self.context_lens, self.state_slots, self.slot_mapping, self.latent_rows = (
+            self.buffer[: FIELDS * B].view(FIELDS, B).unbind(0))
+        self.block_tables = self.buffer[FIELDS * B :].view(B, max_blocks)
+        self.cu_seqlens = torch.arange(B + 1, device=device)
+
+    def used(self, size: int) -> int:
+        """Buffer elements a batch of `size` rows reads (the block-table rows past it are left alone)."""
+        return FIELDS * self.max_batch + size * self.max_blocks
+
+    def fill(self, plan: BatchPlan, size: int, block_size: int) -> None:
+        """Write plan's n sequences, padded to `size` rows: padding rows hold token 0 at context 1,
+        state slot -1, and write real row 0's latent to row 0's cache slot."""
+        n, w = plan.context_lens.numel(), plan.block_tables.shape[1]
+        self.ids[:n], self.context_lens[:n], self.state_slots[:n] = plan.input_ids, plan.context_lens, plan.state_slots
+        self.block_tables[:n, :w] = plan.block_tables
+        last = self.context_lens[:n] - 1
+        blocks = self.block_tables[:n].gather(1, (last // block_size)[:, None])[:, 0]
+        self.slot_mapping[:n] = blocks * block_size + last % block_size
+        self.latent_rows[:n] = torch.arange(n)
+        self.ids[n:size], self.context_lens[n:size], self.state_slots[n:size] = 0, 1, -1
+        self.block_tables[n:size, 0] = 0
+        self.slot_mapping[n:size], self.latent_rows[n:size] = self.slot_mapping[0], 0
+
+    def forward_batch(self, n: int, cache: ModelCache) -> ForwardBatch:
+        """The first n rows as the model's decode batch (views: later fills show through)."""
+        return ForwardBatch.decode_on_device(self.state_slots[:n], self.context_lens[:n], self.block_tables[:n],
+                                             self.slot_mapping[:n], self.latent_rows[:n], self.cu_seqlens[: n + 1],
+                                             cache)
+
+
 class DecodeGraphs:
     """Captured decode forwards of `model` over `cache` for batches of up to max_batch sequences,
     each holding at most max_blocks blocks. Capture writes a stray latent into cache row 0, so it
@@ -32,31 +72,20 @@ class DecodeGraphs:
         self.model, self.cache = model, cache
         self.sizes = decode_batch_sizes(max_batch)
         self.max_batch, self.max_blocks = max_batch, max_blocks
-        B, W = max_batch, max_blocks
-        self.host = torch.zeros(FIELDS * B + B * W, dtype=torch.long).pin_memory()
-        self.inputs = torch.zeros_like(self.host, device=cache.device)
-        self.cu_seqlens = torch.arange(B + 1, device=cache.device)
+        self.host = DecodeInputs(max_batch, max_blocks, torch.device("cpu"), pin=True)
+        self.inputs = DecodeInputs(max_batch, max_blocks, cache.device)
         self.copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture_all()
 
-    def _fields(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(ids, context_lens, state_slots, slot_mapping, latent_rows, block_tables [B, W]) views of t."""
-        B = self.max_batch
-        return (*t[: FIELDS * B].view(FIELDS, B).unbind(0), t[FIELDS * B :].view(B, self.max_blocks))
-
     def _forward(self, n: int) -> torch.Tensor:
-        ids, ctx, slots, slot_mapping, latent_rows, tables = self._fields(self.inputs)
-        batch = ForwardBatch.decode_on_device(slots[:n], ctx[:n], tables[:n], slot_mapping[:n], latent_rows[:n],
-                                              self.cu_seqlens[: n + 1], self.cache)
-        return self.model(ids[:n], batch).float()  # [n, V]
+        return self.model(self.inputs.ids[:n], self.inputs.forward_batch(n, self.cache)).float()  # [n, V]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        ids, ctx, slots, slot_mapping, latent_rows, tables = self._fields(self.inputs)
-        ctx.fill_(1)
-        slots.fill_(-1)
+        self.inputs.context_lens.fill_(1)
+        self.inputs.state_slots.fill_(-1)
         pool = None
         for n in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
             side = torch.cuda.Stream()
@@ -86,18 +115,9 @@ class DecodeGraphs:
         n = plan.context_lens.numel()
         size = next(s for s in self.sizes if s >= n)
         self.copied.synchronize()  # the previous step's copy has left the pinned buffer
-        ids, ctx, slots, slot_mapping, latent_rows, tables = self._fields(self.host)
-        w = plan.block_tables.shape[1]
-        ids[:n], ctx[:n], slots[:n] = plan.input_ids, plan.context_lens, plan.state_slots
-        tables[:n, :w] = plan.block_tables
-        last = ctx[:n] - 1
-        bs = self.cache.block_size
-        slot_mapping[:n] = tables[:n].gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
-        latent_rows[:n] = torch.arange(n)
-        ids[n:size], ctx[n:size], slots[n:size], tables[n:size, 0] = 0, 1, -1, 0
-        slot_mapping[n:size], latent_rows[n:size] = slot_mapping[0], 0
-        used = FIELDS * self.max_batch + size * self.max_blocks  # the block-table rows past `size` stay as they are
-        self.inputs[:used].copy_(self.host[:used], non_blocking=True)
+        self.host.fill(plan, size, self.cache.block_size)
+        used = self.host.used(size)
+        self.inputs.buffer[:used].copy_(self.host.buffer[:used], non_blocking=True)
         self.copied.record()
         self.graphs[size].replay()
         return self.outputs[size][:n]
