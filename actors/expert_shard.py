@@ -1,4 +1,6 @@
-"""ExpertShard actor: the routed experts [e0, e1) of one stage's MoE layers (MXFP4 or bf16)."""
+"""ExpertShard actor: the routed experts [e0, e1) of one stage's MoE layers (MXFP4 or bf16), on
+the GPU Ray gave it (else the CPU). Rows arrive and partial outputs leave through host memory (see
+moe_dispatch.RemoteExperts)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import ray
 import torch
 from torch import nn
 
+from k3ray.actors.actor_device import assigned_device, placement_info
 from k3ray.actors.wire import Bundle, pack_raw, unpack_tagged
 from k3ray.config import ModelConfig
 
@@ -41,8 +44,10 @@ class ExpertShard:
 
         torch.set_num_threads(torch_threads)
         config = ModelConfig.from_json_file(f"{checkpoint}/config.json")
-        self.container = ExpertContainer(config, layer_range, expert_range, getattr(torch, dtype))
-        load_checkpoint(self.container, checkpoint)
+        self.device = assigned_device()
+        with torch.device(self.device):
+            self.container = ExpertContainer(config, layer_range, expert_range, getattr(torch, dtype))
+        load_checkpoint(self.container, checkpoint)  # straight onto the container's device
         self.layer_range, self.expert_range = layer_range, expert_range
 
     # per-layer calls (hundreds a second) would churn Ray's bounded task-event table and evict the
@@ -54,7 +59,7 @@ class ExpertShard:
         argument: Ray passes that cheapest) -> partial y [T, Dl] fp32 from experts [e0, e1), raw
         (wire.pack_raw: the caller knows its shape)."""
         layer_idx, tensors = unpack_tagged(rows)
-        return pack_raw(self.container.experts(layer_idx)(*tensors))
+        return pack_raw(self.container.experts(layer_idx)(*(t.to(self.device) for t in tensors)))
 
     @ray.method(enable_task_events=False)
     def relay(self, rows: Bundle) -> Bundle:
@@ -62,5 +67,4 @@ class ExpertShard:
         return rows
 
     def ready(self) -> dict:
-        return {"layers": self.layer_range, "experts": self.expert_range,
-                "node_id": ray.get_runtime_context().get_node_id()}
+        return {"layers": self.layer_range, "experts": self.expert_range, **placement_info(self.device)}

@@ -199,11 +199,15 @@ def make_dispatch(mode: str, router: "ray.actor.ActorHandle", num_experts: int, 
 
 
 class RemoteExperts(ExpertBackend):
-    """One MoE layer's experts, computed by the shards through a stage's dispatch."""
+    """One MoE layer's experts, computed by the shards through a stage's dispatch. The rows go
+    through host memory from a GPU stage too: the stage itself makes the calls, and Ray's GPU
+    transports carry only what an actor method returns to another actor's task (GPU objects) or
+    the edges between actors of a compiled graph, never a graph driver's own inputs or outputs."""
 
     def __init__(self, dispatch: MoEDispatch, layer_idx: int):
         super().__init__()
         self.dispatch, self.layer_idx = dispatch, layer_idx
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.dispatch(self.layer_idx, h, ids, weights)
+        y = self.dispatch(self.layer_idx, h.cpu(), ids.cpu(), weights.cpu())  # no-ops on a CPU stage
+        return y.to(h.device)

@@ -4,10 +4,16 @@ vision tower — driven one step at a time.
 
 Activations go stage to stage as object refs (never through the driver); the driver only gets
 the last stage's logits. Every wait has a timeout; a dead or stuck actor fails the step with
-StageFailure, and Ray restarts the actor (which reloads its weights, with empty caches)."""
+StageFailure, and Ray restarts the actor (which reloads its weights, with empty caches).
+
+Actors given GPUs compute on them (actor_device). The tensor path between stages is chosen once
+the actors are up (hop_transport): "nccl" (Ray's GPU-object transport, GPU to GPU) when every
+stage holds its own GPU and can run NCCL, else "host" (wire bundles through host memory: CPU
+stages, and stages sharing a GPU, which NCCL cannot connect)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -28,6 +34,8 @@ from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
 from k3ray.engine.plan import BatchPlan
 from k3ray.vision import has_vision_weights
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +68,22 @@ def actor_bundles(config: ModelConfig, parallel: ParallelConfig) -> tuple[list[d
     return bundles, roles
 
 
+def hop_transport(parallel: ParallelConfig, stage_infos: list[dict]) -> str:
+    """How hidden states go between the stages, from each stage's placement_info: "nccl" when
+    the config allows it and every stage has GPUs of its own (no two on one GPU of one node) and
+    NCCL (cupy) at hand; else "host"."""
+    if parallel.stage_transport == "host" or len(stage_infos) < 2:
+        return "host"
+    gpus = [(info["node_id"], g) for info in stage_infos for g in info["gpu_ids"]]
+    own_gpus = all(info["gpu_ids"] for info in stage_infos) and len(set(gpus)) == len(gpus)
+    return "nccl" if own_gpus and all(info["nccl"] for info in stage_infos) else "host"
+
+
+def _whole_gpus(resources: dict[str, float]) -> bool:
+    """Whether an actor with these resources holds at least one GPU of its own."""
+    return resources.get("GPU", 0) >= 1
+
+
 class RayModelRunner:
     def __init__(self, checkpoint: str, parallel: ParallelConfig, cache: CacheSpec,
                  ready_timeout_s: float = 300.0, name: str = "k3ray",
@@ -90,16 +114,23 @@ class RayModelRunner:
                 "check resources with `ray status` and `ray list nodes`"
             ) from e
 
-        def opts(bundle: int, resources: dict[str, float]):
+        def opts(bundle: int, resources: dict[str, float], **extra):
             res = dict(resources)
             return {
                 "num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res or None,
                 "max_restarts": parallel.max_restarts, "max_task_retries": 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+                **extra,
             }
+
+        # stages that may hand their hidden states on over NCCL must be created able to
+        may_use_nccl = parallel.stage_transport == "auto" and parallel.pipeline > 1 \
+            and _whole_gpus(parallel.stage_resources)
+        stage_extra = {"enable_tensor_transport": True} if may_use_nccl else {}
 
         index = {role: bundle_offset + b for b, role in enumerate(roles)}
         self.groups: list[_StageGroup] = []
+        self.stage_group = None  # Ray's NCCL communicator over the stages, when hops use it
         self.vision: "ray.actor.ActorHandle | None" = None
         for s, layers in enumerate(layer_ranges):
             shards, router = [], None
@@ -113,14 +144,28 @@ class RayModelRunner:
                     **opts(index[("router", s, None)], parallel.router_resources)
                 ).remote(shards, self.config.num_experts, parallel.call_timeout_s, parallel.torch_threads)
             stage = ray.remote(PipelineStage).options(
-                **opts(index[("stage", s, None)], parallel.stage_resources)
+                **opts(index[("stage", s, None)], parallel.stage_resources, **stage_extra)
             ).remote(checkpoint, layers, cache, router, parallel)
             self.groups.append(_StageGroup(layers, stage, router, shards))
         if ("vision", 0, None) in index and has_vision_weights(checkpoint):
             self.vision = ray.remote(VisionEncoder).options(
                 **opts(index[("vision", 0, None)], parallel.vision_resources)
             ).remote(checkpoint, cache.dtype, parallel.torch_threads)
-        self.placement = self._wait_ready(ready_timeout_s)
+        self.placement, infos = self._wait_ready(ready_timeout_s)
+        self.hop_transport = hop_transport(parallel, infos) if may_use_nccl else "host"
+        if self.hop_transport == "nccl":
+            self._connect_stages()
+
+    def _connect_stages(self) -> None:
+        """One NCCL communicator over the stages (Ray's collective group); a failure leaves the
+        hops on host memory, logged."""
+        from ray.experimental.collective import create_collective_group
+
+        try:
+            self.stage_group = create_collective_group([g.stage for g in self.groups], backend="nccl")
+        except Exception as e:  # noqa: BLE001 - any failure falls back to the path that always works
+            logger.warning("pipeline hops go through host memory: NCCL between the stages failed: %s", e)
+            self.hop_transport = "host"
 
     def actors(self) -> list[tuple[str, "ray.actor.ActorHandle"]]:
         out = []
@@ -133,20 +178,27 @@ class RayModelRunner:
             out.append(("vision encoder", self.vision))
         return out
 
-    def _wait_ready(self, timeout_s: float) -> dict[str, str]:
+    def _wait_ready(self, timeout_s: float) -> tuple[dict[str, str], list[dict]]:
+        """(node of each actor by name, the stages' ready() infos in stage order)."""
         named = self.actors()
         try:
             infos = ray.get([h.ready.remote() for _, h in named], timeout=timeout_s)
         except Exception as e:
             self.shutdown()
             raise StageFailure(f"model actors did not start: {e}") from e
-        return {name: info["node_id"] for (name, _), info in zip(named, infos)}
+        stage_infos = [info for (name, _), info in zip(named, infos) if name.startswith("stage ")]
+        return {name: info["node_id"] for (name, _), info in zip(named, infos)}, stage_infos
 
     def step(self, plan: BatchPlan) -> torch.Tensor:
         """Run one batch through every stage -> logits [len(plan.logits_indices), V] fp32."""
         ref = None
+        last = len(self.groups) - 1
         for s, g in enumerate(self.groups):
-            ref = g.stage.forward.remote(plan if s == 0 else plan.without_media(), ref)
+            stage_plan = plan if s == 0 else plan.without_media()
+            if self.hop_transport == "nccl" and s < last:
+                ref = g.stage.forward.options(tensor_transport="nccl").remote(stage_plan, ref, True)
+            else:
+                ref = g.stage.forward.remote(stage_plan, ref)
         return unpack(self._get(ref, "model step"))[0]
 
     def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
@@ -177,7 +229,7 @@ class RayModelRunner:
         nodes = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
         lost = sorted({nid for nid in self.placement.values() if not nodes.get(nid, False)})
         return {"healthy": all(v == "alive" for v in status.values()) and not lost,
-                "actors": status, "lost_nodes": lost}
+                "actors": status, "lost_nodes": lost, "hop_transport": self.hop_transport}
 
     def _get(self, refs, what: str):
         t0 = time.monotonic()
@@ -197,6 +249,7 @@ class RayModelRunner:
             raise
 
     def shutdown(self) -> None:
+        self.stage_group = None  # its NCCL communicators end with the stages' processes
         for _, handle in self.actors():
             ray.kill(handle, no_restart=True)
         if self.owns_pg:

@@ -10,6 +10,8 @@ from k3ray.actors.moe_dispatch_modes import DEFAULT_MOE_DISPATCH, MOE_DISPATCH_M
 from k3ray.actors.wire import Bundle, pack, unpack
 from k3ray.engine.plan import BatchPlan
 
+STAGE_TRANSPORTS = ("auto", "host")
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -32,6 +34,10 @@ class ParallelConfig:
     max_restarts: int = 3  # a dead actor restarts and reloads its weights this many times
     torch_threads: int = 1  # per actor process
     moe_dispatch: str = DEFAULT_MOE_DISPATCH
+    # hidden states between pipeline stages: "auto" = GPU to GPU over Ray's NCCL tensor transport
+    # when every stage holds its own GPU and cupy is installed, else host memory; "host" = always
+    # host memory (MoE rows always go through host memory: see pipeline_replica.hop_transport)
+    stage_transport: str = "auto"
 
     def __post_init__(self) -> None:
         if self.pipeline < 1:
@@ -43,6 +49,8 @@ class ParallelConfig:
             raise ValueError(f"placement_strategy must be one of {strategies}, got {self.placement_strategy!r}")
         if self.moe_dispatch not in MOE_DISPATCH_MODES:
             raise ValueError(f"moe_dispatch must be one of {MOE_DISPATCH_MODES}, got {self.moe_dispatch!r}")
+        if self.stage_transport not in STAGE_TRANSPORTS:
+            raise ValueError(f"stage_transport must be one of {STAGE_TRANSPORTS}, got {self.stage_transport!r}")
         if self.call_timeout_s <= 0:
             raise ValueError(f"call_timeout_s must be > 0, got {self.call_timeout_s}")
 

@@ -1,9 +1,10 @@
-"""PipelineStage actor: contiguous layers [a, b) of the model with their caches; its MoE layers
-are built with remote experts, which reach the router's expert shards in the
-ParallelConfig.moe_dispatch mode (k3ray.actors.moe_dispatch). The first stage embeds, the last
-returns logits; between stages the AttnRes state (partial sum + bank) travels as an object ref.
-Media embeddings (from the replica's VisionEncoder, via the engine) are spliced in by the first
-stage."""
+"""PipelineStage actor: contiguous layers [a, b) of the model with their caches, on the GPU Ray
+gave it (else the CPU); its MoE layers are built with remote experts, which reach the router's
+expert shards in the ParallelConfig.moe_dispatch mode (k3ray.actors.moe_dispatch). The first
+stage embeds, the last returns logits; between stages the AttnRes state (partial sum + bank)
+travels as an object ref: a wire bundle through host memory, or the tensors themselves over Ray's
+NCCL transport when the runner asks (pipeline_replica.hop_transport). Media embeddings (from the
+replica's VisionEncoder, via the engine) are spliced in by the first stage."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import ray
 import torch
 
+from k3ray.actors.actor_device import assigned_device, placement_info
 from k3ray.actors.moe_dispatch import DirectDispatch, MoEDispatch, RemoteExperts, make_dispatch
 from k3ray.actors.protocol import CacheSpec, ParallelConfig
 from k3ray.actors.wire import Bundle, pack, unpack, unpack_tagged
@@ -33,34 +35,42 @@ class PipelineStage:
         if any(config.is_moe_layer(i) for i in range(*layer_range)):
             assert router is not None, "a stage with MoE layers needs a router"
             self.dispatch = make_dispatch(parallel.moe_dispatch, router, config.num_experts, parallel.call_timeout_s)
-        model = build_model(config, dtype, seed=None, layer_range=layer_range,
+        self.device = assigned_device()
+        model = build_model(config, dtype, seed=None, device=self.device, layer_range=layer_range,
                             experts=lambda layer_idx: RemoteExperts(self.dispatch, layer_idx))
-        load_checkpoint(model, checkpoint)
+        load_checkpoint(model, checkpoint)  # straight onto the model's device
         self.model = model.eval()
         self.layer_range, self.timeout_s = layer_range, parallel.call_timeout_s
         self.cache = ModelCache.allocate(config, cache_spec.num_state_slots, cache_spec.num_blocks,
-                                         cache_spec.block_size, dtype=dtype, layers=range(*layer_range))
+                                         cache_spec.block_size, dtype=dtype, device=self.device,
+                                         layers=range(*layer_range))
 
     @torch.inference_mode()  # as the local executor runs
-    def forward(self, plan: BatchPlan, carry: Bundle | None) -> Bundle:
+    def forward(self, plan: BatchPlan, carry: Bundle | tuple[torch.Tensor, torch.Tensor] | None,
+                on_device: bool = False) -> Bundle | tuple[torch.Tensor, torch.Tensor]:
         """First stage: carry is None. Returns (hidden [T, D], bank [T, R, D]) or, on the last
-        stage, (logits [len(logits_indices), V] fp32,) — one wire bundle (k3ray.actors.wire)."""
+        stage, (logits [len(logits_indices), V] fp32,) — one wire bundle (k3ray.actors.wire), or
+        with `on_device` the (hidden, bank) tensors themselves on this stage's GPU, for Ray's NCCL
+        transport to carry (a carry that came that way arrives as those tensors, on this GPU)."""
         from k3ray.vision.placeholders import splice_media_embeddings
 
-        batch = plan.forward_batch(self.cache)
+        batch = plan.forward_batch(self.cache)  # indices to the cache's device, once for every layer
         if self.model.is_first:
-            hidden, bank = self.model.embed(plan.input_ids), []
+            hidden, bank = self.model.embed(plan.input_ids.to(self.device)), []
             if plan.mm_positions is not None:
-                hidden = splice_media_embeddings(hidden, plan.mm_positions, plan.mm_embeds)
+                hidden = splice_media_embeddings(hidden, plan.mm_positions.to(self.device),
+                                                 plan.mm_embeds.to(self.device))
         else:
-            hidden, stacked = unpack(carry)
+            hidden, stacked = carry if isinstance(carry, tuple) and isinstance(carry[0], torch.Tensor) \
+                else (t.to(self.device) for t in unpack(carry))
             bank = list(stacked.unbind(1))
         hidden, bank = self.model.forward_layers(hidden, bank, batch)
         if self.dispatch is not None:
             self.dispatch.flush()
         if not self.model.is_last:
-            return pack(hidden, torch.stack(bank, 1))
-        idx = plan.logits_indices
+            stacked = torch.stack(bank, 1)
+            return (hidden, stacked) if on_device else pack(hidden, stacked)
+        idx = plan.logits_indices.to(self.device)
         return pack(self.model.head(hidden[idx], [b[idx] for b in bank]).float())
 
     @torch.inference_mode()
@@ -95,4 +105,4 @@ class PipelineStage:
         return carry
 
     def ready(self) -> dict:
-        return {"layers": self.layer_range, "node_id": ray.get_runtime_context().get_node_id()}
+        return {"layers": self.layer_range, **placement_info(self.device)}

@@ -1,10 +1,13 @@
 """VisionEncoder actor: the MoonViT-V2 tower + projector of a checkpoint, turning packed media
-into embeddings for the placeholder tokens (one actor per replica, or shared)."""
+into embeddings for the placeholder tokens (one actor per replica, or shared), on the GPU Ray gave
+it (else the CPU); the embeddings go back through host memory, to the engine's plan."""
 
 from __future__ import annotations
 
 import ray
 import torch
+
+from k3ray.actors.actor_device import assigned_device, placement_info
 
 
 class VisionEncoder:
@@ -12,17 +15,18 @@ class VisionEncoder:
         from k3ray.vision import load_vision
 
         torch.set_num_threads(torch_threads)
-        self.model = load_vision(checkpoint, getattr(torch, dtype)).eval()
+        self.device = assigned_device()
+        self.model = load_vision(checkpoint, getattr(torch, dtype), device=self.device).eval()
 
     @torch.no_grad()
     def encode(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """[sum patches, 3, 14, 14] + [n_chunks, 3] -> [n_tokens, text_hidden]."""
         from k3ray.vision import encode_media
 
-        return encode_media(self.model, pixel_values, grid_thws)
+        return encode_media(self.model, pixel_values.to(self.device), grid_thws).cpu()
 
     def ready(self) -> dict:
-        return {"node_id": ray.get_runtime_context().get_node_id()}
+        return placement_info(self.device)
 
 
 class RemoteVisionEncoder:

@@ -53,6 +53,9 @@ def test_ray_pipeline_equals_local(ray_cluster, tiny_checkpoint, local_model, pi
         stage_nodes = {n for name, n in runner.placement.items() if name.startswith("stage")}
         shard_nodes = {n for name, n in runner.placement.items() if name.startswith("expert")}
         assert len(stage_nodes) == 1 and len(shard_nodes) == 1 and stage_nodes != shard_nodes, nodes
+        # no GPUs asked: every model actor computes on the CPU, hidden states go through host memory
+        infos = ray.get([h.ready.remote() for name, h in runner.actors() if not name.startswith("router")], timeout=60)
+        assert {info["device"] for info in infos} == {"cpu"} and runner.hop_transport == "host"
         ids = torch.randint(0, 256, (19,), generator=torch.Generator().manual_seed(pipeline))
         plan = list(steps(ids, [12, 1, 5, 1]))
         ref = local_logits(local_model, plan)
