@@ -20,6 +20,8 @@ from torch import nn
 from k3ray.bench.common import machine, median_time
 from k3ray.bench.kernels import H200_BYTES_PER_S
 from k3ray.config import ModelConfig, preset
+from k3ray.device import resolve_device
+from k3ray.device_flags import add_device_argument
 from k3ray.kernels.moe.mxfp4 import E2M1_VALUES
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.init import init_random_weights
@@ -36,7 +38,7 @@ _E2M1_RMS = math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))  # of 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    add_device_argument(p)
     p.add_argument("--preset", default=None, help="model widths: k3 (default on CUDA) or k3-tiny (default on CPU)")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--prefill-tokens", type=int, default=None, help="default: 8,192 for k3, 256 for k3-tiny")
@@ -45,17 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name!r} asked for, but CUDA is not available")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
-    return device
 
 
 def layer_index(config: ModelConfig, kind: str) -> int:
@@ -201,7 +192,7 @@ def bench_kind(config: ModelConfig, kind: str, dtype, device: torch.device, pref
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = _device(args.device)
+    device = resolve_device(args.device)
     name = args.preset or ("k3" if device.type == "cuda" else "k3-tiny")
     config = preset(name)
     prefill, batches, context = SIZES.get(name, SIZES["k3-tiny"])
