@@ -7,22 +7,50 @@ then execs HAProxy with the same arguments:
 - `http-reuse always` -> `never`: a request sent over a reused replica connection kept running after
   its client went away (HAProxy 2.8 left that connection open), so a plain completion whose client
   disconnected was generated to the end. A fresh loopback connection per request costs ~0.1 ms.
+- HAProxy's own 502/503/504 pages (no replica, a killed replica) become a 503 with Retry-After and an
+  OpenAI error body, like the app's; the admin socket is private to the user (not mode 666).
+HAProxy gets SIGKILL when the process that started it dies (a parent-death signal), so it never
+outlives its server and keeps a port.
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import re
+import signal
 import sys
 
 _FRONTEND_BIND = re.compile(r"^frontend http_frontend\n\s*bind (\S+):\d+\s*$", re.MULTILINE)
 _ANY_INTERFACE_BIND = re.compile(r"^(\s*bind )\*?:(\d+)", re.MULTILINE)
 _ALL_INTERFACES = ("*", "0.0.0.0", "::", "[::]")
 _REUSE = re.compile(r"^([ \t]*http-reuse )\w+[ \t]*$", re.MULTILINE)
+_ADMIN_SOCKET_MODE = re.compile(r"^([ \t]*stats socket \S+ mode )\d+", re.MULTILINE)
+_ERRORFILE = re.compile(r"^[ \t]*errorfile 50[234] \S+[ \t]*\n", re.MULTILINE)
+_DEFAULTS = re.compile(r"^defaults[ \t]*\n", re.MULTILINE)
+UNAVAILABLE_FILE = "k3ray-unavailable.http"
+PR_SET_PDEATHSIG = 1
 
 
-def k3ray_config(config: str) -> str:
-    return _REUSE.sub(r"\1never", bind_like_frontend(config))
+def k3ray_config(config: str, unavailable_page: str | None = None) -> str:
+    """Serve's config with k3ray's changes; `unavailable_page`: the path of the file HAProxy answers
+    its own 502/503/504 with (unavailable_response())."""
+    config = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", _REUSE.sub(r"\1never", bind_like_frontend(config)))
+    if unavailable_page is not None:
+        lines = "".join(f"    errorfile {status} {unavailable_page}\n" for status in (502, 503, 504))
+        config = _DEFAULTS.sub(lambda m: m.group() + lines, _ERRORFILE.sub("", config), count=1)
+    return config
+
+
+def unavailable_response(retry_after_s: int = 1) -> bytes:
+    """A raw HTTP 503 with an OpenAI error body, as HAProxy's errorfile holds it."""
+    body = json.dumps({"error": {"message": "no replica of the model can take the request now (starting, or one "
+                                 "was lost and is being replaced); retry shortly", "type": "service_unavailable",
+                                 "param": None, "code": "model_unavailable"}})
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: {retry_after_s}"
+            f"\r\nCache-Control: no-cache\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n")
+    return (head + body).encode()
 
 
 def bind_like_frontend(config: str) -> str:
@@ -43,9 +71,12 @@ def _config_path(argv: list[str]) -> str | None:
 
 
 def _rewrite(path: str) -> None:
+    page = os.path.join(os.path.dirname(os.path.abspath(path)), UNAVAILABLE_FILE)
+    with open(page, "wb") as f:
+        f.write(unavailable_response())
     with open(path) as f:
         config = f.read()
-    rewritten = k3ray_config(config)
+    rewritten = k3ray_config(config, page)
     if rewritten != config:
         temporary = f"{path}.k3ray"
         with open(temporary, "w") as f:
@@ -62,7 +93,17 @@ def main() -> None:
         _rewrite(path)
     os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)  # it names this wrapper: take the bundled binary
     binary = get_haproxy_binary()
+    die_with_parent()
     os.execv(binary, [binary, *argv])
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process (and what it execs) when its parent dies; exit now if it already has."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        sys.exit(1)
 
 
 if __name__ == "__main__":

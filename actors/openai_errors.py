@@ -1,7 +1,8 @@
 """OpenAI-style error bodies, {"error": {"message", "type", "param", "code"}}, for every failure.
 
-Bad input of any kind (malformed JSON, wrong types, FastAPI's 422) answers 400; only a fault of
-the server itself answers 5xx.
+Bad input of any kind (malformed JSON, wrong types, FastAPI's 422) answers 400; a model that
+cannot run now (a dead pipeline actor or engine process, being replaced) answers 503 with
+Retry-After; only another fault of the server itself answers 500.
 """
 
 from __future__ import annotations
@@ -9,10 +10,15 @@ from __future__ import annotations
 import logging
 import re
 
+import ray.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from k3ray.actors.protocol import StageFailure
+from k3ray.engine.engine_client import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +31,30 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer (the OpenAPI document's error schema)."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorBody, "description": what} for status, what in (
+        (400, "invalid request: malformed JSON, a wrong type or value, a context too long, bad media"),
+        (401, "a missing or wrong API key"), (404, "an unknown model or route"), (405, "a wrong method"),
+        (413, "a request body over the limit"), (429, "the server is full: retry after Retry-After seconds"),
+        (500, "a fault of the server"),
+        (503, "the model cannot run now (starting, or a dead actor being replaced): retry after Retry-After seconds"),
+    )
 }
 
 
@@ -56,7 +86,29 @@ def from_value_error(e: ValueError, params: tuple[str, ...] = ()) -> APIError:
     return bad_request(message, param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def unavailable(retry_after_s: float, message: str) -> APIError:
+    return APIError(503, message, None, "model_unavailable", {"Retry-After": retry_after_header(retry_after_s)})
+
+
+def retry_after_header(seconds: float) -> str:
+    return str(max(1, round(seconds)))  # whole seconds (RFC 9110), never 0: that invites a hot retry loop
+
+
+def as_api_error(exc: BaseException, retry_after_s: float = 1.0) -> APIError:
+    """The answer to an exception out of a route: its own APIError, a 503 for a model that cannot run
+    now (a dead pipeline actor or engine process), else a 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if _is_unavailable(exc):
+        return unavailable(retry_after_s, f"the model is unavailable, retry shortly: {type(exc).__name__}: {exc}")
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, (StageFailure, EngineDeadError, ray.exceptions.RayActorError))
+
+
+def install_error_handlers(app: FastAPI, retry_after_s: float = 1.0) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -73,7 +125,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("request failed")
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+        return as_api_error(exc, retry_after_s).response()
 
 
 def validation_error(exc: RequestValidationError) -> APIError:

@@ -18,14 +18,15 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        # the scheme is case-insensitive (RFC 9110): `bearer KEY` is as good as `Bearer KEY`
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.expected):
             err = APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>`.", None,
                            "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             await err.response()(scope, receive, send)

@@ -20,7 +20,8 @@ StopInput = str | list[str] | None
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: `true` is no token id and `"3"` no max_tokens (a 400 naming the field, not a coercion)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(OpenAIModel):

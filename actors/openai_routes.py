@@ -8,14 +8,16 @@ It is a plain ASGI app (Serve's ingress wraps it; tests can also drive it in-pro
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from k3ray.actors.openai_chat import create_chat_completion
 from k3ray.actors.openai_completions import create_completion
-from k3ray.actors.openai_errors import APIError, bad_request, install_error_handlers
+from k3ray.actors.openai_errors import ERROR_RESPONSES, APIError, bad_request, install_error_handlers
 from k3ray.actors.openai_middleware import APIKeyMiddleware, BodyLimitMiddleware
 from k3ray.actors.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from k3ray.actors.openai_serving import OpenAIServing
@@ -25,9 +27,12 @@ HealthCheck = Callable[[], Awaitable[tuple[bool, str]]]
 
 
 def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthCheck | None = None,
-                     api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="k3ray", description="OpenAI-compatible API for Kimi K3 on Ray Serve")
-    install_error_handlers(app)
+                     api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                     retry_after_s: float = 1.0) -> FastAPI:
+    app = FastAPI(title="k3ray", description="OpenAI-compatible API for Kimi K3 on Ray Serve",
+                  responses=ERROR_RESPONSES)
+    app.openapi = functools.partial(_openapi, app)
+    install_error_handlers(app, retry_after_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -93,7 +98,7 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
         ok, detail = (True, "") if health is None else await health()
         if not ok:
             raise APIError(503, f"unhealthy: {detail}")
-        return Response(status_code=200)
+        return Response(status_code=200, media_type="text/plain")
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -103,6 +108,30 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
         return Response(text, media_type=content_type)
 
     return app
+
+
+_TEXT_ANSWERS = {  # the 200s that are no JSON
+    "/health": {"description": "healthy (an empty body)", "content": {"text/plain": {"schema": {"type": "string"}}}},
+    "/metrics": {"description": "Prometheus text exposition format",
+                 "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document less its 422 answers (a request that fails validation gets a 400 here),
+    with the real content types of /health and /metrics."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for operation in (op for path in schema["paths"].values() for op in path.values()):
+            operation.get("responses", {}).pop("422", None)
+        for path, answer in _TEXT_ANSWERS.items():
+            schema["paths"][path]["get"]["responses"]["200"] = answer
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the reply; nobody receives it

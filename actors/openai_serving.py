@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from k3ray.actors.openai_errors import APIError, bad_request, from_value_error
+from k3ray.actors.admission import Admission
+from k3ray.actors.openai_errors import APIError, as_api_error, bad_request, from_value_error
 from k3ray.actors.openai_protocol import ChatMessage, SamplingFields
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
@@ -50,8 +51,10 @@ class Prompt:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine | EngineClient, tokenizer, model_name: str, metrics=None) -> None:
+    def __init__(self, engine: AsyncEngine | EngineClient, tokenizer, model_name: str, metrics=None,
+                 admission: Admission | None = None) -> None:
         self.engine = engine
+        self.admission = admission
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
@@ -168,6 +171,8 @@ class OpenAIServing:
                     f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                     f"{wanted} tokens ({p.num_tokens} in the prompt, {max_tokens or 0} for the completion). Please "
                     "reduce the length of the prompt or of the completion.", "prompt", "context_length_exceeded")
+        if self.admission is not None:  # a full queue answers 429 before a stream starts
+            self.admission.check(sum(p.num_tokens for p in prompts))
 
     # sampling ----------------------------------------------------------------------------------
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
@@ -209,15 +214,20 @@ class OpenAIServing:
         streams = [self.engine.generate(p.ids, params, f"{request_id}-{i}", media=p.media or None)
                    for i, p in enumerate(prompts)]
         unfinished = set(range(len(prompts)))
+        ticket = None if self.admission is None else self.admission.admit(sum(p.num_tokens for p in prompts))
         try:
             async with aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
+                    if ticket is not None:
+                        self.admission.started(ticket)
                     if out.finished:
                         unfinished.discard(i)
                         if self.metrics is not None:
                             self.metrics.observe_finished(out, time.monotonic() - started)
                     yield i, out
         finally:
+            if ticket is not None:
+                self.admission.finish(ticket)
             if unfinished and self.metrics is not None:
                 self.metrics.observe_aborted(len(unfinished))
 
@@ -244,8 +254,7 @@ def sse(payload: dict | str) -> str:
 
 
 def stream_error(e: BaseException) -> str:
-    status = 400 if isinstance(e, ValueError) else 500
-    err = e if isinstance(e, APIError) else APIError(status, f"{type(e).__name__}: {e}")
+    err = bad_request(f"{type(e).__name__}: {e}") if isinstance(e, ValueError) else as_api_error(e)
     return sse(err.body())
 
 

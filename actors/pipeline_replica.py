@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from k3ray.actors.expert_shard import ExpertShard
 from k3ray.actors.moe_dispatch import ShardMap
 from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure
+from k3ray.actors.replica_bundles import actor_bundles
 from k3ray.actors.router import MoERouter
 from k3ray.actors.stage import PipelineStage
 from k3ray.actors.vision_encoder import VisionEncoder
@@ -44,28 +45,6 @@ class _StageGroup:
     stage: "ray.actor.ActorHandle"
     router: "ray.actor.ActorHandle | None"
     shards: ShardMap
-
-
-def actor_bundles(config: ModelConfig, parallel: ParallelConfig) -> tuple[list[dict[str, float]], list[tuple]]:
-    """Placement-group bundles of one replica's model actors, and the role of each:
-    ("stage", s, None) | ("router", s, None) | ("shard", s, e) | ("vision", 0, None) (last, for a
-    config with a vision tower). A Serve replica puts its own bundle first and these after it
-    (placement_group_bundles)."""
-    layer_ranges = split_range(config.num_layers, parallel.pipeline)
-    bundles, roles = [], []
-    for s, layers in enumerate(layer_ranges):
-        bundles.append(dict(parallel.stage_resources))
-        roles.append(("stage", s, None))
-        if any(config.is_moe_layer(i) for i in range(*layers)):
-            bundles.append(dict(parallel.router_resources))
-            roles.append(("router", s, None))
-            for e in range(parallel.expert_parallel):
-                bundles.append(dict(parallel.shard_resources))
-                roles.append(("shard", s, e))
-    if config.vision is not None and parallel.vision_resources is not None:
-        bundles.append(dict(parallel.vision_resources))
-        roles.append(("vision", 0, None))
-    return bundles, roles
 
 
 def hop_transport(parallel: ParallelConfig, stage_infos: list[dict]) -> str:

@@ -25,7 +25,8 @@ from ray.serve import Application
 from k3ray.actors.admission import Admission
 from k3ray.actors.openai_routes import build_openai_app
 from k3ray.actors.openai_serving import OpenAIServing
-from k3ray.actors.serve_config import ServeArgs, resources
+from k3ray.actors.replica_bundles import replica_bundles
+from k3ray.actors.serve_config import ServeArgs
 from k3ray.actors.serve_engine import build_engine, local_engine
 from k3ray.actors.serve_metrics import ServeMetrics
 from k3ray.engine.async_engine import AsyncEngine
@@ -105,13 +106,7 @@ def deployment_options(args: ServeArgs) -> dict:
     if server.max_queued_requests >= 0:
         options["backpressure_config"] = BackpressureConfig(status_code=429, retry_after_s=server.retry_after_s)
     if args.distributed:
-        from k3ray.actors.pipeline_replica import actor_bundles
-        from k3ray.config import ModelConfig
-
-        assert args.model.model is not None, "resolve() the args first"
-        config = ModelConfig.from_json_file(os.path.join(args.model.model, "config.json"))
-        bundles, _ = actor_bundles(config, args.parallel_config())
-        options["placement_group_bundles"] = [resources(parallel.replica_cpus, parallel.replica_gpus)] + bundles
+        options["placement_group_bundles"] = replica_bundles(args)
         options["placement_group_strategy"] = parallel.placement_strategy
     return options
 

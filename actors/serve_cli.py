@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
 
 HELP = "serve a checkpoint with an OpenAI-compatible API on Ray Serve"
 
@@ -52,12 +53,20 @@ def main(args: argparse.Namespace) -> int:
 
         print(serve_config_yaml(settings, launch, command_flags(args)), end="")
         return 0
+    from k3ray.actors import serve_preflight
+
+    # the checkpoint and the layout are checked in seconds, before Ray and Serve start
+    resolved = settings.resolved()
+    serve_preflight.check_checkpoint(resolved)
+    if launch.address is None:
+        serve_preflight.check_layout(resolved, serve_preflight.local_resources(launch.num_cpus))
+
     from k3ray.actors import serve_launch
 
     init = {} if launch.num_cpus is None else {"num_cpus": launch.num_cpus}
     owns_ray = serve_launch.start_ray(launch.address, launch.ingress or DEFAULT_INGRESS, **init)
-    # Ctrl-C / SIGTERM only set a flag: one that lands while Serve is deploying must not be lost
-    # inside Ray's own waits (it was, under load), and the loop below then shuts down cleanly
+    # Ctrl-C / SIGTERM only set a flag: one that lands inside Ray's own waits must not be lost (it
+    # was, under load); Serve deploys on a thread of its own, so a hung deploy never holds up the stop
     stop = threading.Event()
 
     def request_stop(signum, frame) -> None:
@@ -67,14 +76,48 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        url = serve_launch.deploy(app_args(args), host=launch.host, port=launch.port)
-        print(f"k3ray serve: OpenAI API at {url}/v1 (Ctrl-C to stop)", flush=True)
+        if launch.address is not None:
+            import ray
+
+            serve_preflight.check_layout(resolved, ray.cluster_resources())
+        deployed = _in_background(serve_launch.deploy, app_args(args), host=launch.host, port=launch.port)
+        while not stop.is_set() and not deployed.done():
+            time.sleep(0.2)
+        if deployed.done():
+            print(f"k3ray serve: OpenAI API at {_deployed_url(deployed)}/v1 (Ctrl-C to stop)", flush=True)
         while not stop.is_set():
             time.sleep(0.2)
         print("k3ray serve: shutting down", file=sys.stderr, flush=True)
     finally:
         serve_launch.stop(owns_ray)
     return 0
+
+
+def _in_background(fn, *args, **kwargs) -> Future:
+    """fn(*args, **kwargs) on a daemon thread (the process may exit while it still waits)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="k3ray-serve-deploy", daemon=True).start()
+    return future
+
+
+def _deployed_url(deployed: Future) -> str:
+    """The app's URL, or a ValueError in one line that says what to raise on a slow machine."""
+    try:
+        return deployed.result()
+    except Exception as e:  # noqa: BLE001 - Ray and Serve raise many kinds; the message is what helps
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(
+            f"the app did not start: {type(e).__name__}: {first} (on a slow or busy machine raise "
+            f"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, now {os.environ.get('RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S')} s, "
+            "and RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S; the replica's log is under /tmp/ray/session_latest/logs/serve)"
+        ) from None
 
 
 if __name__ == "__main__":  # `python -m k3ray.actors.serve_cli ...`, the same as `k3ray serve ...`

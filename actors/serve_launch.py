@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 from typing import get_args
@@ -20,10 +19,15 @@ from ray import serve
 from k3ray.actors.ray_connect import connect  # ray.init off the repository root
 from k3ray.actors.serve_app import build_app
 from k3ray.actors.serve_config import APP_NAME, DEFAULT_INGRESS, Ingress
+from k3ray.actors.serve_isolation import (free_port, isolation_environment, make_runtime_dir,
+                                          remove_runtime_dir)
 
 # haproxy: HAProxy on the port, streaming straight from each replica's own HTTP server (Serve's
 # direct ingress); proxy: Serve's Python proxy actor, every request and chunk an actor call
 INGRESS_MODES: tuple[str, ...] = get_args(Ingress)
+LOOPBACK = "127.0.0.1"
+PROXY_READY_S = "60"
+START_ATTEMPTS = 3
 DRAIN_S = "2"  # a stopping replica's hold-open for HAProxy to drop it (Ray's default 30 is for cloud LBs)
 
 
@@ -41,13 +45,6 @@ def ingress_environment(ingress: str) -> dict[str, str]:
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
         env[name] = os.environ.get(name) or str(free_port())
     return env
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now, on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def haproxy_wrapper() -> str:
@@ -72,12 +69,31 @@ def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init
         return False
     if address is None:
         os.environ.update(ingress_environment(ingress))  # Ray's processes inherit it from here
-        # node address 127.0.0.1: every connection stays on loopback
+        os.environ.update(isolation_environment(make_runtime_dir()))  # this server's own ports and files
+        # node address 127.0.0.1: every connection stays on loopback, Ray's agents and exporters
+        # bind to it (not 0.0.0.0)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        connect(address="local", **{"include_dashboard": False, **init_kwargs})
+        # Serve's 5 s for its proxy (HAProxy) to come up killed it on a busy machine
+        os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_S)
+        _start_local({"include_dashboard": False, "_node_ip_address": LOOPBACK, **init_kwargs})
     else:
         connect(address=address, **init_kwargs)
     return True
+
+
+def _start_local(init_kwargs: dict) -> None:
+    """ray.init of a local instance, tried again after a transient failure (on a busy machine the
+    raylet missed Ray's fixed 30 s to register)."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            connect(address="local", **init_kwargs)
+            return
+        except Exception as e:  # noqa: BLE001 - ray.init raises a plain Exception for its start timeouts
+            ray.shutdown()
+            transient = isinstance(e, (TimeoutError, ConnectionError)) or "timed out" in str(e)
+            if not transient or attempt == START_ATTEMPTS:
+                raise ValueError(f"Ray did not start ({attempt} attempt(s)): {type(e).__name__}: {e}; on a busy "
+                                 "machine retry when it is quieter or give fewer --num-cpus") from e
 
 
 def deploy(args: dict, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME,
@@ -101,3 +117,5 @@ def stop(owns_ray: bool = True, name: str = APP_NAME) -> None:
     else:
         serve.delete(name)
     ray.shutdown()
+    if owns_ray:
+        remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))

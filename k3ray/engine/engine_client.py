@@ -39,6 +39,10 @@ from k3ray.vision import ProcessedMedia
 SHUTDOWN_GRACE_S = 10.0
 
 
+class EngineDeadError(RuntimeError):
+    """The engine process is gone (or was shut down): no request can run until it is replaced."""
+
+
 class EngineClient:
     def __init__(self, process: subprocess.Popen, conn: Connection, info: EngineInfo, stats: EngineStats) -> None:
         self.process = process
@@ -119,7 +123,7 @@ class EngineClient:
         """Stop the engine process (waiting up to SHUTDOWN_GRACE_S, then killing it); open streams
         fail with 'the engine was shut down'."""
         if self._error is None:
-            self._error = RuntimeError("the engine was shut down")
+            self._error = EngineDeadError("the engine was shut down")
         self._outbox.put(("shutdown",))
         self._outbox.put(None)
         self._sender.join(timeout=SHUTDOWN_GRACE_S)
@@ -191,7 +195,7 @@ class EngineClient:
     def _on_exit(self, code: int | None) -> None:
         """The socket closed under us: the engine process is gone (or close() stopped it)."""
         if self._error is None:
-            self._error = RuntimeError(f"the engine process (pid {self.process.pid}) exited with code {code}")
+            self._error = EngineDeadError(f"the engine process (pid {self.process.pid}) exited with code {code}")
         self._fail_all(self._error)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from k3ray.config import VisionConfig
 from k3ray.vision import MediaConfig, ProcessedMedia, data_url_bytes, preprocess_media
+from k3ray.vision.preprocess import PixelBudget
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}
@@ -117,7 +118,7 @@ def _url_bytes(url: Any, part: MediaPart, config: MediaConfig, fetch: Fetch | No
         raise MediaInputError(f"{part.part_type} URL is not supported: {e}", part.where) from e
 
 
-def _part_media(part: MediaPart, config: MediaConfig, fetch: Fetch | None) -> ProcessedMedia:
+def _part_media(part: MediaPart, config: MediaConfig, fetch: Fetch | None, budget: PixelBudget) -> ProcessedMedia:
     value = part.value
     url = value.get("url") if isinstance(value, dict) else value
     if url is None:
@@ -131,19 +132,21 @@ def _part_media(part: MediaPart, config: MediaConfig, fetch: Fetch | None) -> Pr
     else:
         data = _url_bytes(url, part, config, fetch)
     try:
-        return preprocess_media(part.kind, data, config)
+        return preprocess_media(part.kind, data, config, budget=budget)
     except ValueError as e:
         raise MediaInputError(f"{part.part_type} could not be read: {e}", part.where) from e
 
 
 def media_from_messages(messages: Sequence[dict], config: MediaConfig, *, fetch: Fetch | None = None,
                         max_items: int | None = None) -> list[ProcessedMedia]:
-    """Decode and preprocess every image / video part of a conversation, in placeholder order."""
+    """Decode and preprocess every image / video part of a conversation, in placeholder order, at
+    most config.max_request_pixels decoded pixels in all."""
     parts = media_parts(messages)
     if max_items is not None and len(parts) > max_items:
         raise MediaInputError(f"the conversation holds {len(parts)} images / videos; at most {max_items} "
                               "are allowed per request", "messages")
-    return [_part_media(part, config, fetch) for part in parts]
+    budget = PixelBudget(config.max_request_pixels)
+    return [_part_media(part, config, fetch, budget) for part in parts]
 
 
 def media_from_multi_modal_data(data: dict, config: MediaConfig) -> list[ProcessedMedia]:

@@ -45,6 +45,7 @@ class MediaConfig:
     max_input_bytes: int = 64 * 2**20
     max_source_frames: int = 10_000  # frames in a video file (each is decoded to find its timing)
     max_video_source_pixels: int = 1_000_000_000  # frames x width x height of a video file, all decoded
+    max_request_pixels: int = 2**28  # decoded pixels of one request, summed over its images and frames
 
     def __post_init__(self) -> None:
         for f in fields(self):

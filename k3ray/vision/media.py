@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from k3ray.vision.config import MediaConfig
-from k3ray.vision.preprocess import ProcessedMedia, preprocess_image
+from k3ray.vision.preprocess import PixelBudget, ProcessedMedia, preprocess_image
 from k3ray.vision.video import preprocess_video
 
 MEDIA_KINDS = ("image", "video")
@@ -33,12 +33,14 @@ def data_url_bytes(url: str, max_bytes: int | None = None) -> bytes:
         raise ValueError(f"data URL payload is not valid base64 ({e})") from e
 
 
-def preprocess_media(kind: str, data: Any, config: MediaConfig, source_fps: float | None = None) -> ProcessedMedia:
-    """kind "image": bytes or a PIL image; kind "video": animated-image bytes or a list of frames."""
+def preprocess_media(kind: str, data: Any, config: MediaConfig, source_fps: float | None = None,
+                     budget: PixelBudget | None = None) -> ProcessedMedia:
+    """kind "image": bytes or a PIL image; kind "video": animated-image bytes or a list of frames.
+    `budget`: the decoded pixels the whole request may still spend (PixelBudget)."""
     if kind == "image":
-        return preprocess_image(data, config)
+        return preprocess_image(data, config, budget)
     if kind == "video":
-        return preprocess_video(data, config, source_fps)
+        return preprocess_video(data, config, source_fps, budget)
     raise ValueError(f"unsupported media kind {kind!r}; expected one of {MEDIA_KINDS}")
 
 

@@ -52,8 +52,24 @@ def navit_size(
     return (new_w, new_h), (-(-new_w // unit) * unit, -(-new_h // unit) * unit)
 
 
-def open_image(data: ImageSource, config: MediaConfig, what: str = "image") -> Image.Image:
-    """A lazily decoded Pillow image whose size has been checked against the limits."""
+class PixelBudget:
+    """The decoded pixels one request may still spend (MediaConfig.max_request_pixels), charged
+    from each image's or frame's header before its pixels are decoded."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.spent = limit, 0
+
+    def charge(self, pixels: int, what: str) -> None:
+        if self.spent + pixels > self.limit:
+            raise ValueError(f"{what}: its {pixels} pixels would take the request's images and video frames past "
+                             f"the limit of {self.limit} decoded pixels ({self.spent} so far)")
+        self.spent += pixels
+
+
+def open_image(data: ImageSource, config: MediaConfig, what: str = "image",
+               budget: PixelBudget | None = None) -> Image.Image:
+    """A lazily decoded Pillow image whose size has been checked against the limits (and charged
+    to `budget`)."""
     if isinstance(data, Image.Image):
         image = data
     elif isinstance(data, (bytes, bytearray, memoryview)):
@@ -74,6 +90,8 @@ def open_image(data: ImageSource, config: MediaConfig, what: str = "image") -> I
         raise ValueError(
             f"{what}: {width}x{height} = {width * height} pixels exceeds the limit of {config.max_input_pixels}"
         )
+    if budget is not None:
+        budget.charge(width * height, what)
     return image
 
 
@@ -142,9 +160,9 @@ def frames_to_media(
     )
 
 
-def preprocess_image(data: ImageSource, config: MediaConfig) -> ProcessedMedia:
+def preprocess_image(data: ImageSource, config: MediaConfig, budget: PixelBudget | None = None) -> ProcessedMedia:
     """One image (bytes in any format Pillow reads, or a PIL image; the first frame if animated)."""
-    image = open_image(data, config)
+    image = open_image(data, config, budget=budget)
     resized, padded = navit_size(
         *image.size, config.patch_size, config.merge_size, config.max_patches, config.max_patches_per_side
     )

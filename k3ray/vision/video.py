@@ -18,6 +18,7 @@ from PIL import Image
 from k3ray.vision.config import MediaConfig
 from k3ray.vision.preprocess import (
     ImageSource,
+    PixelBudget,
     ProcessedMedia,
     frames_to_media,
     navit_size,
@@ -42,10 +43,13 @@ def sample_frame_indices(frame_starts: Sequence[float], duration: float, fps: fl
     return sorted(picked)
 
 
-def _file_frames(data: bytes | bytearray | memoryview, config: MediaConfig) -> tuple[Image.Image, list[float], float]:
+def _file_frames(data: bytes | bytearray | memoryview, config: MediaConfig,
+                 budget: PixelBudget | None = None) -> tuple[Image.Image, list[float], float]:
     """The opened animation, each frame's start time, and the total duration (seconds)."""
     image = open_image(data, config, what="video")
     count = getattr(image, "n_frames", 1)
+    if budget is not None:  # every frame is decoded to find its timing
+        budget.charge(count * image.size[0] * image.size[1], f"video: {count} frames of {image.size[0]}x{image.size[1]}")
     if count > config.max_source_frames:
         raise ValueError(f"video: {count} frames exceeds the limit of {config.max_source_frames}")
     decoded = count * image.size[0] * image.size[1]
@@ -67,20 +71,22 @@ def _file_frames(data: bytes | bytearray | memoryview, config: MediaConfig) -> t
 
 
 def preprocess_video(
-    data: bytes | bytearray | memoryview | Sequence[ImageSource], config: MediaConfig, source_fps: float | None = None
+    data: bytes | bytearray | memoryview | Sequence[ImageSource], config: MediaConfig, source_fps: float | None = None,
+    budget: PixelBudget | None = None,
 ) -> ProcessedMedia:
     """One video: animated-image bytes, or a list of frames (bytes or PIL images). A list is taken as
-    already sampled unless `source_fps` gives its frame rate."""
+    already sampled unless `source_fps` gives its frame rate. One frame is decoded at a time (and
+    charged to `budget` before it is), so memory holds one full-size frame, not all of them."""
     if isinstance(data, (bytes, bytearray, memoryview)):
-        animation, starts, duration = _file_frames(data, config)
+        animation, starts, duration = _file_frames(data, config, budget)
         indices = sample_frame_indices(starts, duration, config.video_fps, config.video_max_frames)
-        frames = []
-        try:
-            for index in indices:
-                animation.seek(index)
-                frames.append(animation.copy())
-        except (OSError, EOFError, SyntaxError, ValueError) as e:
-            raise ValueError(f"video: cannot decode frame {index} ({e})") from e
+
+        def frame(k: int) -> Image.Image:
+            try:
+                animation.seek(indices[k])
+                return animation.copy()
+            except (OSError, EOFError, SyntaxError, ValueError) as e:
+                raise ValueError(f"video: cannot decode frame {indices[k]} ({e})") from e
     elif isinstance(data, Sequence) and not isinstance(data, str):
         if not data:
             raise ValueError("video: the frame list is empty")
@@ -91,15 +97,21 @@ def preprocess_video(
         fps = source_fps or config.video_fps
         starts = [i / fps for i in range(len(data))]
         indices = sample_frame_indices(starts, len(data) / fps, config.video_fps, config.video_max_frames)
-        frames = [open_image(data[i], config, what=f"video frame {i}") for i in indices]
+
+        def frame(k: int) -> Image.Image:
+            return open_image(data[indices[k]], config, what=f"video frame {indices[k]}", budget=budget)
     else:
         raise ValueError(f"video: unsupported media type {type(data).__name__}; expected bytes or a list of frames")
     times = tuple(starts[i] for i in indices)
 
-    first = frames[0]
+    first = frame(0)
+    first_size = first.size
     resized, padded = navit_size(
-        *first.size, config.patch_size, config.merge_size, config.video_max_patches_per_frame,
+        *first_size, config.patch_size, config.merge_size, config.video_max_patches_per_frame,
         config.max_patches_per_side,
     )
-    rgb = [pad_frame(resized_rgb(frame, resized, "video frame"), padded) for frame in frames]
-    return frames_to_media("video", rgb, config, first.size, times)
+    rgb = [pad_frame(resized_rgb(first, resized, "video frame"), padded)]
+    del first  # its decoded pixels go before the next frame's are decoded
+    for k in range(1, len(indices)):
+        rgb.append(pad_frame(resized_rgb(frame(k), resized, "video frame"), padded))
+    return frames_to_media("video", rgb, config, first_size, times)

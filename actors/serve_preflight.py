@@ -1,0 +1,66 @@
+"""What `k3ray serve` checks before it starts Ray and Serve, in seconds: the checkpoint (its
+config, its tensor table, its tokenizer) and whether one replica's layout fits the CPUs and GPUs
+at hand. Each problem is one ValueError, which the command prints as one line."""
+
+from __future__ import annotations
+
+import os
+
+from k3ray.actors.serve_config import ServeArgs
+
+
+def check_checkpoint(args: ServeArgs) -> None:
+    """args must be resolved. Reads config.json, the safetensors index (or single file) and the
+    tokenizer, but no weights."""
+    from k3ray.tokenizer import load_tokenizer
+    from k3ray.weights.checkpoint_dir import open_weight_map, read_config
+
+    path = args.model.model
+    assert path is not None, "resolve() the args first"
+    if not os.path.isdir(path):
+        raise ValueError(f"--model {path!r} is not a directory (a checkpoint: config.json, safetensors, tokenizer)")
+    try:
+        read_config(path)
+    except (OSError, TypeError, KeyError) as e:
+        raise ValueError(f"{path}/config.json cannot be read: {type(e).__name__}: {e}") from None
+    open_weight_map(path)
+    load_tokenizer(args.model.tokenizer or path)
+
+
+def replica_resources(args: ServeArgs) -> dict[str, float]:
+    """CPUs and GPUs one replica holds (its own bundle plus its model actors'); args resolved."""
+    if not args.distributed:
+        return {"CPU": args.parallel.replica_cpus, "GPU": args.parallel.replica_gpus}
+    from k3ray.actors.replica_bundles import replica_bundles
+
+    total: dict[str, float] = {"CPU": 0.0, "GPU": 0.0}
+    for bundle in replica_bundles(args):
+        for name, amount in bundle.items():
+            total[name] = total.get(name, 0.0) + amount
+    return total
+
+
+def check_layout(args: ServeArgs, available: dict[str, float]) -> None:
+    """A ValueError if the first `min_replicas` replicas (at least one) cannot be placed on
+    `available` (Ray's resource names: CPU, GPU)."""
+    replicas = max(1, args.autoscaling.initial_replicas or args.autoscaling.min_replicas)
+    need = replica_resources(args)
+    for name in ("CPU", "GPU"):
+        wanted, have = need.get(name, 0.0) * replicas, available.get(name, 0.0)
+        if wanted > have + 1e-9:
+            p = args.parallel
+            raise ValueError(
+                f"{replicas} replica(s) of pipeline {p.pipeline} x expert-parallel {p.expert_parallel} need "
+                f"{wanted:g} {name}s, but {have:g} are available: lower --replica-{name.lower()}s, "
+                f"--stage-{name.lower()}s, --shard-{name.lower()}s" + (", --router-cpus" if name == "CPU" else "")
+                + " or the layout, or give Ray more (--num-cpus, a larger cluster)")
+
+
+def local_resources(num_cpus: float | None) -> dict[str, float]:
+    """What a local Ray instance started with `num_cpus` (None: all) will have."""
+    gpus = 0
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "":
+        import torch
+
+        gpus = torch.cuda.device_count()
+    return {"CPU": float(num_cpus if num_cpus is not None else os.cpu_count() or 1), "GPU": float(gpus)}
