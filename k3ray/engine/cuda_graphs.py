@@ -77,6 +77,7 @@ class DecodeGraphs:
         self.copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
         self._capture_all()
 
     def _forward(self, n: int) -> torch.Tensor:
@@ -120,4 +121,5 @@ class DecodeGraphs:
         self.inputs.buffer[:used].copy_(self.host.buffer[:used], non_blocking=True)
         self.copied.record()
         self.graphs[size].replay()
+        self.num_replays += 1
         return self.outputs[size][:n]
