@@ -62,6 +62,8 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest) -> d
     check_stream_options(req)
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens=0 is only allowed with echo=true", "max_tokens")
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        raise bad_request("best_of > n cannot be streamed: the best completions are known only at the end", "best_of")
     prompts = serving.completion_prompts(req.prompt)
     # max_tokens 0 (echo only) still runs one decode step in the engine; its token is dropped
     keep_generated = req.max_tokens != 0

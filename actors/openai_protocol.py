@@ -1,13 +1,13 @@
 """Request bodies of the OpenAI-compatible routes (OpenAI's names plus vLLM's extra fields).
 
-Unknown fields are ignored, as OpenAI-compatible servers do; fields k3ray cannot honour yet
-(penalties, logit_bias, tools, ...) are declared so that a request using them fails with a 400
-instead of being silently served differently. Value checks beyond types live in SamplingParams.
+Unknown fields are ignored, as OpenAI-compatible servers do; fields k3ray cannot honour (suffix,
+tools) are declared so that a request using them fails with a 400 instead of being silently
+served differently. Value checks beyond types live in SamplingParams.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,6 +28,18 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
@@ -42,6 +54,7 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
     # vLLM extras (the OpenAI client sends them through extra_body)
     top_k: int | None = None
@@ -58,7 +71,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
     prompt_logprobs: int | None = None
     add_special_tokens: bool = Field(
@@ -84,7 +97,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     # vLLM chat-template extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False

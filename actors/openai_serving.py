@@ -23,19 +23,20 @@ import httpx
 
 from k3ray.actors.admission import Admission
 from k3ray.actors.openai_errors import APIError, as_api_error, bad_request, from_value_error
-from k3ray.actors.openai_protocol import ChatMessage, SamplingFields
+from k3ray.actors.openai_protocol import ChatMessage, ResponseFormat, SamplingFields
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
 from k3ray.engine.outputs import RequestOutput
-from k3ray.sampling_params import SamplingParams
+from k3ray.sampling_params import SamplingParams, StructuredOutputsParams
 from k3ray.tokenizer.chat import MEDIA_PART_KINDS, normalize_chat_role
 from k3ray.vision import ProcessedMedia, expand_placeholders
 
 MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n
 AUDIO_PART_TYPES = ("input_audio", "audio_url")
 PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
-               "logprobs", "prompt_logprobs")
+               "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+               "logit_bias", "best_of", "structured_outputs", "response_format")
 
 
 @dataclass(frozen=True)
@@ -194,10 +195,19 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=req.logit_bias,
+                best_of=getattr(req, "best_of", None),
+                structured_outputs=_structured_outputs(req.response_format),
             )
             params.validate(self.vocab_size, self.max_model_len)
         except ValueError as e:
-            raise from_value_error(e, PARAM_NAMES) from e
+            error = from_value_error(e, PARAM_NAMES)
+            if error.param == "structured_outputs":  # the client named it response_format
+                error = bad_request(str(e), "response_format")
+            raise error from e
         return params
 
     # running -----------------------------------------------------------------------------------
@@ -207,9 +217,9 @@ class OpenAIServing:
     async def generate(self, prompts: Sequence[Prompt], params: SamplingParams,
                        request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) as any prompt advances; closing it aborts them all."""
-        if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
-            raise bad_request(f"{len(prompts)} prompts x n={params.n} exceeds {MAX_SEQUENCES_PER_REQUEST} "
-                              "sequences per request", "prompt")
+        if len(prompts) * params.num_sequences > MAX_SEQUENCES_PER_REQUEST:
+            raise bad_request(f"{len(prompts)} prompts x {params.num_sequences} samples (n or best_of) exceeds "
+                              f"{MAX_SEQUENCES_PER_REQUEST} sequences per request", "prompt")
         started = time.monotonic()
         streams = [self.engine.generate(p.ids, params, f"{request_id}-{i}", media=p.media or None)
                    for i, p in enumerate(prompts)]
@@ -264,21 +274,23 @@ def check_stream_options(req: SamplingFields) -> None:
 
 
 def _reject_unsupported(req: SamplingFields) -> None:
-    """Fields k3ray does not implement fail loudly unless they hold their neutral value."""
-    neutral = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0)}
-    for name, allowed in neutral.items():
-        if getattr(req, name) not in allowed:
-            raise bad_request(f"{name} is not supported by k3ray yet; leave it unset", name, "unsupported_parameter")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by k3ray yet", "logit_bias", "unsupported_parameter")
-    for name in ("best_of", "suffix", "tools", "response_format"):
-        value = getattr(req, name, None)
-        if name == "best_of" and value in (None, req.n):
-            continue
-        if name == "response_format" and (value is None or value.get("type") == "text"):
-            continue
-        if value:
-            raise bad_request(f"{name} is not supported by k3ray yet", name, "unsupported_parameter")
+    """Fields k3ray cannot honour fail loudly (as vLLM answers them) instead of being ignored."""
+    if getattr(req, "suffix", None):
+        raise bad_request("suffix is not supported: K3 is not trained to insert text before a suffix "
+                          "(fill-in-the-middle)", "suffix", "unsupported_parameter")
+    if getattr(req, "tools", None):
+        raise bad_request("tools are not supported by k3ray yet", "tools", "unsupported_parameter")
+
+
+def _structured_outputs(response_format: ResponseFormat | None) -> StructuredOutputsParams | None:
+    """response_format -> the grammar the output must follow (None for plain text)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+        raise bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
+    return StructuredOutputsParams(json=response_format.json_schema.json_schema)
 
 
 async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:

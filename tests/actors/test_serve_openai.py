@@ -203,3 +203,107 @@ def test_health_and_metrics(client, server):
     for name in ("cache_usage_perc", "prefix_cache_hit_rate", "num_requests_waiting", "spec_decode_acceptance_rate"):
         assert f"k3ray:{name}{label}" in values
     assert json.loads(httpx.get(f"{server}/v1/models/{MODEL}").text)["id"] == MODEL
+
+
+PROBE_STREAMS = 64  # 8 run (max_num_seqs), 56 wait in the replica's queue: what this 2-core machine holds
+
+
+def test_health_and_ready_answer_in_under_100_ms_while_64_streams_run(server):
+    """HAProxy answers /health and /ready itself, outside the replica's request queue: streams that
+    fill the replica and its queue do not slow them (under 300 streams they took 23 s before).
+    Timed by curl, so the test's own streams do not hold the clock."""
+    import asyncio
+    import subprocess
+
+    def probe(path: str) -> tuple[int, float]:
+        out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{time_total}", f"{server}{path}"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return int(out[0]), float(out[1])
+
+    async def stream(http: httpx.AsyncClient) -> None:
+        body = {"prompt": "load", "max_tokens": 16, "ignore_eos": True, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_lines():
+                pass
+
+    async def under_load() -> tuple[list[tuple[int, float]], int]:
+        limits = httpx.Limits(max_connections=PROBE_STREAMS)
+        async with httpx.AsyncClient(base_url=server, timeout=600, limits=limits) as http:
+            tasks = [asyncio.create_task(stream(http)) for _ in range(PROBE_STREAMS)]
+            await asyncio.sleep(3)  # every stream is in: running or queued
+            probes = [await asyncio.to_thread(probe, path) for _ in range(10) for path in ("/health", "/ready")]
+            still_running = sum(not t.done() for t in tasks)
+            await asyncio.gather(*tasks)
+            return probes, still_running
+
+    probes, still_running = asyncio.run(under_load())
+    print(f"/health and /ready under {PROBE_STREAMS} streams: max {max(t for _, t in probes) * 1000:.1f} ms")
+    assert still_running > PROBE_STREAMS // 2, still_running  # the probes ran under the load
+    assert all(code == 200 for code, _ in probes), probes
+    assert max(t for _, t in probes) < 0.1, probes
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
+          "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tag": {"enum": ["red", "green"]}}}
+
+
+def test_response_format_json_schema_in_chat_and_streaming_completions(client):
+    import jsonschema
+
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Answer"}], n=2, seed=4,
+                                       max_tokens=60, response_format=response_format)
+    for choice in r.choices:  # the schema bounds the length, so 60 tokens always close it
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    chunks = list(client.completions.create(model=MODEL, prompt="Answer:", max_tokens=60, seed=4, stream=True,
+                                            extra_body={"response_format": response_format}))
+    jsonschema.validate(json.loads("".join(c.text for ch in chunks for c in ch.choices)), SCHEMA)
+    cut = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=3, seed=4,
+                                    extra_body={"response_format": response_format})
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].text.startswith('{"')
+
+
+def test_json_object_mode_holds_against_a_logit_bias(client):
+    # "}" pushed to +100: unconstrained that is "}}}}", JSON mode opens the object first and then closes it
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2, max_tokens=8,
+                                       response_format={"type": "json_object"}, logit_bias={str(ord("}")): 100})
+    assert [c.message.content for c in r.choices] == ["{}", "{}"]
+
+
+def test_penalties_and_logit_bias_follow_the_processed_logits(client, k3):
+    from k3ray.engine.logits_processors import process_logits
+    from k3ray.sampling_params import SamplingParams
+
+    prompt, n = "The Ray cluster", 6
+    controls = dict(presence_penalty=0.7, frequency_penalty=0.5, logit_bias={str(ord("e")): 3.0})
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, **controls,
+                                  extra_body={"repetition_penalty": 1.5, "ignore_eos": True})
+    params = SamplingParams(repetition_penalty=1.5, **controls)
+    ids, out = k3.tokenizer.encode(prompt), []
+    for _ in range(n):
+        row = process_logits(k3.logits(ids + out)[-1:], [params], [ids + out], [len(ids)])[0]
+        out.append(int(row.argmax()))
+    assert r.choices[0].text == expected_text(k3, out)
+
+
+def test_best_of_returns_the_most_likely_samples(client):
+    kw = dict(model=MODEL, prompt="Hi", max_tokens=4, temperature=1.0, seed=3, logprobs=0,
+              extra_body={"ignore_eos": True})
+    every = client.completions.create(n=3, **kw).choices
+    best = client.completions.create(n=1, best_of=3, **kw).choices
+    top = max(every, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert len(best) == 1 and best[0].index == 0 and best[0].text == top.text
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"suffix": "end"}, "suffix"), ({"best_of": 2, "stream": True}, "best_of"),
+    ({"extra_body": {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}},
+     "response_format"),
+])
+def test_parameters_the_model_cannot_honour_are_refused(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, **kw)
+    assert e.value.body["param"] == param
