@@ -94,7 +94,11 @@ def test_unknown_model_route_and_method(server, http):
     ({"seed": -1}, "seed"), ({"seed": 2**80}, "seed"), ({"stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [1, 10**6]}, "prompt"),
     ({"prompt": [-1]}, "prompt"), ({"prompt": [[1], []]}, "prompt"), ({"prompt": {"text": "x"}}, "prompt"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"1": 200}}, "logit_bias"), ({"logit_bias": {"100000": 1}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"n": 2, "best_of": 1}, "best_of"), ({"suffix": "x"}, "suffix"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}}, "response_format"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"temperature": float("nan")}, "temperature"),
 ])
 def test_bad_completion_parameters(http, fields, param):
