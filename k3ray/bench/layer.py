@@ -14,19 +14,11 @@ import argparse
 import math
 from typing import Any
 
-import torch
-from torch import nn
-
-from k3ray.bench.common import machine, median_time
+from k3ray.bench.common import machine, median_time, under_torch
 from k3ray.bench.kernels import H200_BYTES_PER_S
 from k3ray.config import ModelConfig, preset
-from k3ray.device import resolve_device
 from k3ray.device_flags import add_device_argument
-from k3ray.kernels.moe.mxfp4 import E2M1_VALUES
-from k3ray.models.forward_batch import ForwardBatch, ModelCache
-from k3ray.models.init import init_random_weights
-from k3ray.models.k3 import DecoderLayer, local_experts
-from k3ray.models.moe import PROJECTIONS, LocalExperts
+from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "one full-width decoder layer of each kind: prefill tok/s, decode step time, HBM roofline"
 KINDS = ("kda_dense", "kda_moe", "mla_moe")
@@ -34,19 +26,18 @@ BLOCK = 64
 # (prefill tokens, decode batches, decode context) per preset: K3's serving shapes, and a tiny
 # size a CPU test runs in seconds
 SIZES = {"k3": (8192, [1, 64, 256], 32768), "k3-tiny": (256, [1, 8], 512)}
-_E2M1_RMS = math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))  # of uniformly random codes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p)
     p.add_argument("--preset", default=None, help="model widths: k3 (default on CUDA) or k3-tiny (default on CPU)")
-    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="layer kinds to time (default all)")
     p.add_argument("--prefill-tokens", type=int, default=None, help="default: 8,192 for k3, 256 for k3-tiny")
     p.add_argument("--decode-batch", type=int, nargs="+", default=None, help="default: 1 64 256 for k3, 1 8 tiny")
     p.add_argument("--context", type=int, default=None, help="decode context: default 32,768 for k3, 512 tiny")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
+    add_threads_argument(p)
 
 
 def layer_index(config: ModelConfig, kind: str) -> int:
@@ -68,12 +59,18 @@ def bank_size(config: ModelConfig, layer_idx: int) -> int:
     return sum(config.is_block_boundary(j) for j in range(layer_idx))
 
 
-@torch.no_grad()
+@under_torch("no_grad")
 def random_layer(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
                  seed: int = 0) -> DecoderLayer:
     """The decoder layer, built on `device`: dense weights as the tiny models draw them, routed
     experts as random MXFP4 bytes with a scale that gives them the same spread (quantising 896
     random experts would take minutes)."""
+    import torch
+    from torch import nn
+
+    from k3ray.models.init import init_random_weights
+    from k3ray.models.k3 import DecoderLayer, local_experts
+
     with torch.device(device):
         layer = DecoderLayer(config, layer_idx, dtype, local_experts(config, dtype, (0, config.num_experts)))
     moe = getattr(layer, "block_sparse_moe", None)
@@ -90,24 +87,30 @@ def random_layer(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device
 
 
 def _random_mxfp4(experts: LocalExperts, seed: int) -> None:
+    import torch
+
+    from k3ray.models.moe import PROJECTIONS
+
     assert experts.fmt == "mxfp4", "the benchmark's experts are MXFP4"
     gen = torch.Generator(experts.w1_packed.device).manual_seed(seed)
     for name in PROJECTIONS:
         packed, scale = experts.weights(name)
         fan_in = packed.shape[-1] * 2
         packed.random_(0, 256, generator=gen)
-        scale.fill_(127 + round(math.log2(1 / (math.sqrt(fan_in) * _E2M1_RMS))))  # E8M0: 2^(s - 127)
+        scale.fill_(127 + round(math.log2(1 / (math.sqrt(fan_in) * _e2m1_rms()))))  # E8M0: 2^(s - 127)
 
 
 def _weight_bytes(layer: DecoderLayer, config: ModelConfig, tokens: int) -> int:
     """Dense weights, plus the routed experts' bytes times the expected share of experts that
     `tokens` tokens touch (top-k of E each, uniformly)."""
-    experts = getattr(getattr(layer, "block_sparse_moe", None), "experts", None)
-    expert_ids = {id(t) for t in experts.parameters()} | {id(t) for t in experts.buffers()} if experts else set()
-    dense = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()) if id(t) not in expert_ids)
-    if experts is None:
-        return dense
-    routed = sum(t.numel() * t.element_size() for t in (*experts.parameters(), *experts.buffers()))
+    def nbytes(module: nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+    moe = getattr(layer, "block_sparse_moe", None)
+    if moe is None:
+        return nbytes(layer)
+    routed = nbytes(moe.experts)
+    dense = nbytes(layer) - routed
     touched = 1 - (1 - config.num_experts_per_token / config.num_experts) ** tokens
     return dense + int(routed * touched)
 
@@ -125,6 +128,8 @@ def _cache_bytes(cache: ModelCache, layer_idx: int, batch: int, tokens: int, con
 
 def _step_inputs(config: ModelConfig, layer_idx: int, tokens: int, dtype, device, gen):
     """(prefix [T, D], bank: the finished blocks [T, D] each) as the layer receives them."""
+    import torch
+
     D = config.hidden_size
     rows = [torch.randn(tokens, D, generator=gen, device=device).to(dtype)
             for _ in range(bank_size(config, layer_idx) + 1)]
@@ -134,6 +139,10 @@ def _step_inputs(config: ModelConfig, layer_idx: int, tokens: int, dtype, device
 def _cache(config: ModelConfig, layer_idx: int, seqs: int, context: int, dtype, device, gen) -> tuple:
     """A cache for `seqs` sequences of `context` tokens over this one layer, its states and latents
     random (a decode step reads a full context; a prefill overwrites it), and their block tables."""
+    import torch
+
+    from k3ray.models.forward_batch import ForwardBatch, ModelCache
+
     blocks_per_seq = -(-context // BLOCK)
     cache = ModelCache.allocate(config, seqs, seqs * blocks_per_seq, BLOCK, dtype=dtype, device=device,
                                 layers=range(layer_idx, layer_idx + 1))
@@ -144,6 +153,8 @@ def _cache(config: ModelConfig, layer_idx: int, seqs: int, context: int, dtype, 
 
 
 def _time(layer: DecoderLayer, prefix, bank, batch: ForwardBatch, device: torch.device, repeats: int) -> float:
+    import torch
+
     def step() -> None:
         layer(prefix, bank, batch)
         if device.type == "cuda":
@@ -159,9 +170,13 @@ def _row(kind: str, phase: str, batch: int, context: int, tokens: int, seconds: 
             "roofline_frac": nbytes / H200_BYTES_PER_S / seconds if device.type == "cuda" else None}
 
 
-@torch.inference_mode()
+@under_torch("inference_mode")
 def bench_kind(config: ModelConfig, kind: str, dtype, device: torch.device, prefill_tokens: int,
                decode_batches: list[int], context: int, repeats: int) -> list[dict[str, Any]]:
+    import torch
+
+    from k3ray.models.forward_batch import ForwardBatch, ModelCache
+
     i = layer_index(config, kind)
     layer = random_layer(config, i, dtype, device)
     gen = torch.Generator(device).manual_seed(1)
@@ -192,6 +207,10 @@ def bench_kind(config: ModelConfig, kind: str, dtype, device: torch.device, pref
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from k3ray.device import resolve_device
+
     device = resolve_device(args.device)
     name = args.preset or ("k3" if device.type == "cuda" else "k3-tiny")
     config = preset(name)
@@ -201,8 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     context = args.context or context
     if min([prefill, context, *batches]) < 1:
         raise ValueError("--prefill-tokens, --decode-batch and --context must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     rows = []
     for kind in args.kinds:  # one layer and its caches alive at a time
@@ -218,3 +236,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "repeats": args.repeats, "hbm_bytes_per_s": H200_BYTES_PER_S,
                    "threads": torch.get_num_threads()},
     }
+
+
+def _e2m1_rms() -> float:
+    """RMS of uniformly random E2M1 codes."""
+    from k3ray.kernels.moe.mxfp4 import E2M1_VALUES
+
+    return math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))
