@@ -6,24 +6,10 @@ import pytest
 import torch
 
 from k3ray.api import K3
-from k3ray.config import preset
-from k3ray.engine import LLM, SamplingParams
+from k3ray.engine import SamplingParams
 from k3ray.engine.logits_processors import apply_penalties, process_logits, token_counts
-from k3ray.models.init import build_model
-from k3ray.tokenizer import ByteTokenizer
 
-MICRO = preset("k3-micro")
 PENALTIES = dict(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.7)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_model(MICRO, seed=0)
-
-
-@pytest.fixture(scope="module")
-def llm(model):
-    return LLM(model, ByteTokenizer(512), num_blocks=64, block_size=8)
 
 
 def reference(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
@@ -86,38 +72,38 @@ def test_logit_bias_ids_must_be_in_the_vocabulary():
         SamplingParams(logit_bias={600: 1.0}).validate(vocab_size=512, max_model_len=64)
 
 
-def test_engine_greedy_with_penalties_follows_the_reference(llm, model):
+def test_engine_greedy_with_penalties_follows_the_reference(micro_llm, micro_model):
     prompt = [5, 50, 150, 250, 50]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={65: 0.3}, **PENALTIES)
-    got = llm.generate([prompt], params)[0].outputs[0].token_ids
-    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    got = micro_llm.generate([prompt], params)[0].outputs[0].token_ids
+    plain = micro_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert got != plain.outputs[0].token_ids  # the controls change this greedy output
-    rows = K3(model).logits(prompt + got)[len(prompt) - 1 :]
+    rows = K3(micro_model).logits(prompt + got)[len(prompt) - 1 :]
     for i, token in enumerate(got):
         want = torch.tensor(reference(rows[i].tolist(), params, prompt, got[:i]))
         assert want[token] >= want.max() - 1e-4  # the argmax (up to fp32 sum order)
 
 
-def test_engine_logit_bias_forces_and_bans_tokens(llm):
-    forced = llm.generate(["Hi"], SamplingParams(temperature=0.8, seed=1, max_tokens=5, ignore_eos=True,
+def test_engine_logit_bias_forces_and_bans_tokens(micro_llm):
+    forced = micro_llm.generate(["Hi"], SamplingParams(temperature=0.8, seed=1, max_tokens=5, ignore_eos=True,
                                                  logit_bias={65: 100}))[0].outputs[0]
     assert forced.text == "AAAAA"
     banned = set(range(256, 512))  # every special and reserved id
-    out = llm.generate(["Hi"], SamplingParams(seed=2, max_tokens=6, logit_bias={t: -100 for t in banned}))[0]
+    out = micro_llm.generate(["Hi"], SamplingParams(seed=2, max_tokens=6, logit_bias={t: -100 for t in banned}))[0]
     assert not banned & set(out.outputs[0].token_ids)
 
 
-def test_min_p_one_keeps_only_the_argmax(llm):
+def test_min_p_one_keeps_only_the_argmax(micro_llm):
     kw = dict(max_tokens=6, ignore_eos=True)
-    greedy = llm.generate(["Hello"], SamplingParams(temperature=0, **kw))[0].outputs[0].token_ids
-    assert llm.generate(["Hello"], SamplingParams(temperature=1.0, min_p=1.0, seed=3, **kw))[0].outputs[0].token_ids \
-        == greedy
+    greedy = micro_llm.generate(["Hello"], SamplingParams(temperature=0, **kw))[0].outputs[0].token_ids
+    sampled = micro_llm.generate(["Hello"], SamplingParams(temperature=1.0, min_p=1.0, seed=3, **kw))[0]
+    assert sampled.outputs[0].token_ids == greedy
 
 
-def test_best_of_returns_the_n_most_likely_of_its_samples(llm):
+def test_best_of_returns_the_n_most_likely_of_its_samples(micro_llm):
     kw = dict(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
-    every = llm.generate(["Ray"], SamplingParams(n=4, logprobs=0, **kw))[0].outputs
-    best = llm.generate(["Ray"], SamplingParams(n=2, best_of=4, **kw))[0].outputs
+    every = micro_llm.generate(["Ray"], SamplingParams(n=4, logprobs=0, **kw))[0].outputs
+    best = micro_llm.generate(["Ray"], SamplingParams(n=2, best_of=4, **kw))[0].outputs
     ranked = sorted(every, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
     assert [c.index for c in best] == [0, 1]
     assert [c.token_ids for c in best] == [c.token_ids for c in ranked]

@@ -9,15 +9,12 @@ import jsonschema
 import pytest
 import torch
 
-from k3ray.config import preset
 from k3ray.engine import LLM, AsyncEngine, EngineConfig, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.engine.config import SpeculativeConfig
 from k3ray.engine.structured_output import StructuredOutputs, encoded_vocab
-from k3ray.models.init import build_model
 from k3ray.sampling_params import StructuredOutputsParams
 from k3ray.tokenizer import ByteTokenizer
 
-MICRO = preset("k3-micro")
 SCHEMA = {
     "type": "object",
     "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -25,16 +22,6 @@ SCHEMA = {
     "required": ["ok", "n", "tag"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_model(MICRO, seed=0)
-
-
-@pytest.fixture(scope="module")
-def llm(model):
-    return LLM(model, ByteTokenizer(512), num_blocks=64, block_size=8)
 
 
 def schema_params(**kw) -> SamplingParams:
@@ -63,42 +50,42 @@ def test_the_mask_allows_exactly_the_grammars_next_tokens():
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(tok.stop_token_ids)
 
 
-def test_unconstrained_output_is_not_json(llm):
-    out = llm.generate(["{"], SamplingParams(seed=0, n=3, max_tokens=40))[0]
+def test_unconstrained_output_is_not_json(micro_llm):
+    out = micro_llm.generate(["{"], SamplingParams(seed=0, n=3, max_tokens=40))[0]
     for c in out.outputs:
         with pytest.raises(json.JSONDecodeError):
             json.loads(c.text)
 
 
-def test_json_schema_outputs_parse_and_validate(llm):
-    out = llm.generate(["Answer:"], schema_params(n=3, seed=5, max_tokens=60, temperature=1.0))[0]
+def test_json_schema_outputs_parse_and_validate(micro_llm):
+    out = micro_llm.generate(["Answer:"], schema_params(n=3, seed=5, max_tokens=60, temperature=1.0))[0]
     for c in out.outputs:
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), SCHEMA)
-    greedy = llm.generate(["Answer:"], schema_params(temperature=0, max_tokens=60))[0].outputs[0]
+    greedy = micro_llm.generate(["Answer:"], schema_params(temperature=0, max_tokens=60))[0].outputs[0]
     jsonschema.validate(json.loads(greedy.text), SCHEMA)
 
 
-def test_json_object_outputs_parse(llm):
+def test_json_object_outputs_parse(micro_llm):
     params = SamplingParams(n=2, seed=2, max_tokens=250, structured_outputs=StructuredOutputsParams(json_object=True))
-    objects = [json.loads(c.text) for c in llm.generate(["Hi"], params)[0].outputs]
+    objects = [json.loads(c.text) for c in micro_llm.generate(["Hi"], params)[0].outputs]
     assert all(isinstance(o, dict) for o in objects) and all(objects)  # two non-empty objects
 
 
-def test_max_tokens_before_the_json_closes_is_length(llm):
-    c = llm.generate(["Answer:"], schema_params(seed=5, max_tokens=4))[0].outputs[0]
+def test_max_tokens_before_the_json_closes_is_length(micro_llm):
+    c = micro_llm.generate(["Answer:"], schema_params(seed=5, max_tokens=4))[0].outputs[0]
     assert c.finish_reason == "length" and len(c.token_ids) == 4 and c.text.startswith('{"')
 
 
-def test_speculative_decoding_leaves_constrained_sequences_alone(model):
-    spec = LLM(model, ByteTokenizer(512), num_blocks=64, block_size=8, speculative=SpeculativeConfig("ngram", 3))
+def test_speculative_decoding_leaves_constrained_sequences_alone(micro_model):
+    spec = LLM(micro_model, ByteTokenizer(512), num_blocks=64, block_size=8, speculative=SpeculativeConfig("ngram", 3))
     for c in spec.generate(["Answer:"], schema_params(n=2, seed=5, max_tokens=60))[0].outputs:
         jsonschema.validate(json.loads(c.text), SCHEMA)
     assert spec.get_stats().spec_draft_tokens == 0
 
 
-def test_streamed_constrained_output_grows_into_valid_json(model):
-    engine = AsyncEngine(LLMEngine(LocalExecutor(model), EngineConfig(num_blocks=64, block_size=8),
+def test_streamed_constrained_output_grows_into_valid_json(micro_model):
+    engine = AsyncEngine(LLMEngine(LocalExecutor(micro_model), EngineConfig(num_blocks=64, block_size=8),
                                    ByteTokenizer(512)))
 
     async def run() -> list[str]:
@@ -118,9 +105,9 @@ def test_streamed_constrained_output_grows_into_valid_json(model):
     ({"structured_outputs": StructuredOutputsParams(json="{not json")}, "not a usable JSON schema"),
     ({"structured_outputs": StructuredOutputsParams(json_object=True), "ignore_eos": True}, "ignore_eos"),
 ])
-def test_bad_structured_outputs_are_refused(llm, kwargs, match):
+def test_bad_structured_outputs_are_refused(micro_llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        llm.generate(["x"], SamplingParams(**kwargs))
+        micro_llm.generate(["x"], SamplingParams(**kwargs))
 
 
 def test_structured_outputs_params_need_exactly_one_kind():
