@@ -16,9 +16,7 @@ import os
 import statistics
 import time
 
-import torch
-
-from k3ray.actors.protocol import MOE_DISPATCH_MODES, ParallelConfig
+from k3ray.actors.moe_dispatch_modes import DEFAULT_MOE_DISPATCH, MOE_DISPATCH_MODES
 from k3ray.bench.common import machine
 
 HELP = "decode local vs Ray actors, pipeline hop and MoE dispatch cost"
@@ -27,17 +25,19 @@ BLOCK = 16
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir (default: the tiny K3)")
-    p.add_argument("--pipeline", type=int, default=2)
-    p.add_argument("--expert-parallel", type=int, default=2)
+    p.add_argument("--pipeline", type=int, default=2, help="pipeline stages of the Ray runner")
+    p.add_argument("--expert-parallel", type=int, default=2, help="expert shards per stage")
     p.add_argument("--batch", type=int, default=8, help="sequences decoded together")
     p.add_argument("--steps", type=int, default=16, help="decode steps per repetition")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per case (median)")
     p.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
-    p.add_argument("--moe-dispatch", choices=MOE_DISPATCH_MODES, default=ParallelConfig.moe_dispatch,
+    p.add_argument("--moe-dispatch", choices=MOE_DISPATCH_MODES, default=DEFAULT_MOE_DISPATCH,
                    help="how the Ray runner's stages reach the expert shards")
 
 
 def _decode_args(batch: int, step: int, prompt: int):
+    import torch
+
     from k3ray.engine.plan import BatchPlan
 
     tables = torch.arange(batch * 8).view(batch, 8)
@@ -46,6 +46,8 @@ def _decode_args(batch: int, step: int, prompt: int):
 
 
 def _prefill_args(batch: int, prompt: int):
+    import torch
+
     from k3ray.engine.plan import BatchPlan
 
     tables = torch.arange(batch * 8).view(batch, 8)
@@ -81,6 +83,10 @@ def _interleaved_medians(timed: dict, rounds: int, per_round: int) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from k3ray.actors.protocol import ParallelConfig
+
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray

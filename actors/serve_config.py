@@ -88,8 +88,9 @@ class EngineSettings(Settings):
     enable_prefix_caching: bool = Field(True, description="reuse the cache of a shared prompt prefix")
     speculative_ngram: int = Field(0, ge=0, description="draft tokens per step by n-gram lookup; 0 = off")
     seed: int = Field(0, description="sampling seed of requests without their own")
-    torch_threads: int | None = Field(
-        None, ge=1, description="torch threads of the replica's model; null = torch's default")
+    threads: int | None = Field(
+        None, ge=1, description="torch CPU threads of the replica's model; null = 1 on a machine with <= 4 cores, "
+        "else torch's default")
     engine_process: bool = Field(True, description="run an undistributed model's engine in its own process (no GIL "
                                  "shared with HTTP work)")
 

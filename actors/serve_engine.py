@@ -15,6 +15,7 @@ from k3ray.engine.executor import Executor, LocalExecutor
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.media import VisionEncoderFn, local_vision_encoder
 from k3ray.engine.media_inputs import MultiModalConfig, load_media_config
+from k3ray.threads import set_threads
 
 
 def engine_config(args: ServeArgs) -> EngineConfig:
@@ -51,8 +52,7 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
 
     path = args.model.model
     assert path is not None, "resolve() the args first"
-    if args.engine.torch_threads is not None:
-        torch.set_num_threads(args.engine.torch_threads)
+    set_threads(args.engine.threads)
     dtype = getattr(torch, args.model.dtype)
     tokenizer = load_tokenizer(args.model.tokenizer or path)
     executor: Executor

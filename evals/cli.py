@@ -1,6 +1,6 @@
 """`k3ray eval niah|ruler|mm`: long-context and multimodal needle evals against an OpenAI-style
-endpoint, or a checkpoint in this process (`--checkpoint DIR`: the same prompts and answers as the
-server gives, without HTTP).
+endpoint (`--endpoint URL`, optionally `--served-model-name`), or a checkpoint in this process
+(`--model DIR`: the same prompts and answers as the server gives, without HTTP).
 
 Writes OUT/results.jsonl (one record per cell; --resume skips finished cells), OUT/summary.json,
 OUT/heatmap.png, OUT/report.md and OUT/report.html. `--oracle right|wrong` replaces the endpoint
@@ -14,8 +14,10 @@ k3ray's offline task YAMLs on the include path; writes lm-eval's results JSON un
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
+from k3ray.threads import add_threads_argument
 
 from k3ray.device_flags import add_device_argument, add_enforce_eager_argument
 
@@ -70,10 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         where.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
         where.add_argument("--oracle", choices=("right", "wrong"),
                            help="no server: a built-in always-right/wrong target")
-        where.add_argument("--checkpoint", help="no server: run this checkpoint directory in this process")
-        p.add_argument("--model", help="served model name (required with --endpoint)")
-        p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                       help="bearer token (default $OPENAI_API_KEY)")
+        add_checkpoint_arguments(where, p)
         p.add_argument("--task", action="append", default=[],
                        help=f"task(s), comma-separated (default: {','.join(SUITES[suite])}); known: {', '.join(TASKS)}")
         p.add_argument("--task-file", action="append", default=[], help="a JSONL file of items to run as one more task")
@@ -82,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--depths", default=DEFAULT_DEPTHS[suite],
                        help="needle depths in percent; empty = random per cell")
         p.add_argument("--samples", type=int, default=1, help="items per length x depth cell")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=int, default=0, help="seed of the generated items")
         p.add_argument("--out", required=True, help="output directory")
         p.add_argument("--concurrency", type=int, default=4, help="cells in flight at once")
         p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished cells")
@@ -93,12 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--executor", choices=EXECUTORS, default="auto",
                        help="threads, or Ray tasks (auto: Ray when RAY_ADDRESS is set or Ray is initialised)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
-        engine = p.add_argument_group("in-process engine (--checkpoint)")
+        engine = p.add_argument_group("in-process engine (--model)")
         engine.add_argument("--max-model-len", type=int, help="context limit (default: the model's and cache's)")
         engine.add_argument("--max-num-batched-tokens", type=int, default=8192,
                             help="tokens per engine step: the prefill chunk of a long prompt")
         engine.add_argument("--cache-memory-mb", type=float, default=1024.0, help="MLA cache + state budget")
-        engine.add_argument("--torch-threads", type=int, help="torch threads (default: torch's)")
+        engine.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the checkpoint's own)")
+        add_threads_argument(engine)
         add_device_argument(engine)
         add_enforce_eager_argument(engine)
     add_lm_eval_arguments(suites.add_parser("lm-eval", help=LM_EVAL_HELP, description=LM_EVAL_HELP))
@@ -107,50 +107,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_lm_eval_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    where.add_argument("--checkpoint", help="no server: run this checkpoint directory in this process")
+    add_checkpoint_arguments(where, p)
     p.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (shipped offline: "
                    "k3ray_mc, k3ray_gen, k3ray_ppl, k3ray_niah)")
-    p.add_argument("--model", help="served model name (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default $OPENAI_API_KEY)")
     p.add_argument("--max-length", type=int, help="context tokens (default: the server's / engine's max_model_len)")
     p.add_argument("--num-concurrent", type=int, default=4, help="requests in flight (endpoint)")
     p.add_argument("--timeout", type=int, default=7200, help="seconds per HTTP request (endpoint)")
-    p.add_argument("--max-retries", type=int, default=3)
+    p.add_argument("--max-retries", type=int, default=3, help="retries of a failed request (endpoint)")
     p.add_argument("--limit", type=float, help="docs per task (a fraction below 1)")
     p.add_argument("--out", help="directory for lm-eval's results JSON (and samples)")
     p.add_argument("--include-path", action="append", default=[], help="more task YAML folders")
     p.add_argument("--metadata", default="{}", help='JSON for the tasks, e.g. \'{"max_seq_lengths": [131072]}\'')
     p.add_argument("--log-samples", action="store_true", help="also write every request and response")
-    p.add_argument("--apply-chat-template", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--apply-chat-template", action="store_true", help="render prompts with the model's chat template")
+    p.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (Python, NumPy, torch, few-shot)")
+
+
+def add_checkpoint_arguments(where: argparse._MutuallyExclusiveGroup, p: argparse.ArgumentParser) -> None:
+    """--model (the checkpoint, one of the exclusive targets), --served-model-name, --api-key."""
+    where.add_argument("--model", "--checkpoint", dest="model", metavar="DIR",
+                       help="no server: run this checkpoint directory in this process")
+    p.add_argument("--served-model-name", help="the model name the endpoint serves (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=client_api_key(), help=CLIENT_API_KEY_HELP)
 
 
 def _target(args: argparse.Namespace):
-    if args.checkpoint is not None:
+    if args.model is not None:
         return _engine_target(args)
     if args.oracle is not None:
         from k3ray.evals.oracle import OracleTarget
 
         return OracleTarget(wrong=args.oracle == "wrong")
-    if not args.model:
-        raise ValueError("--model is required with --endpoint")
+    from k3ray.evals.lm_eval_bridge import probe_server
     from k3ray.evals.openai_target import OpenAITarget
 
-    return OpenAITarget(args.endpoint, args.model, api_key=args.api_key, timeout=args.timeout)
+    name = args.served_model_name or probe_server(args.endpoint, api_key=args.api_key).model
+    return OpenAITarget(args.endpoint, name, api_key=args.api_key, timeout=args.timeout)
 
 
 def _engine_target(args: argparse.Namespace):
-    import torch
-
     from k3ray.engine import LLM
     from k3ray.evals.engine_target import EngineTarget
+    from k3ray.threads import set_threads
 
     if args.cache_memory_mb <= 0:
         raise ValueError(f"--cache-memory-mb must be > 0, got {args.cache_memory_mb}")
-    if args.torch_threads is not None:
-        torch.set_num_threads(args.torch_threads)
+    set_threads(args.threads)
     options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    llm = LLM(args.checkpoint, max_num_batched_tokens=args.max_num_batched_tokens,
+    llm = LLM(args.model, tokenizer=args.tokenizer, max_num_batched_tokens=args.max_num_batched_tokens,
               cache_memory_bytes=int(args.cache_memory_mb * 1024**2), device=args.device,
               enforce_eager=args.enforce_eager, **options)
     return EngineTarget(llm)
@@ -171,7 +175,7 @@ def lm_eval_main(args: argparse.Namespace) -> int:
     if not isinstance(metadata, dict):
         raise ValueError(f"--metadata must be a JSON object, got {args.metadata!r}")
     if args.endpoint is not None:
-        info = bridge.probe_server(args.endpoint, args.model, args.api_key)
+        info = bridge.probe_server(args.endpoint, args.served_model_name, args.api_key)
         model, model_args = "local-completions", bridge.local_completions_args(
             info, max_length=args.max_length, num_concurrent=args.num_concurrent, timeout=args.timeout,
             max_retries=args.max_retries, api_key=args.api_key)
@@ -179,7 +183,7 @@ def lm_eval_main(args: argparse.Namespace) -> int:
             print(f"k3ray eval: {info.root} has no /tokenizer_info + /tokenize: text prompts, no tokenizer "
                   "(loglikelihood tasks cannot run)", file=sys.stderr)
     else:
-        model, model_args = "k3ray", {"pretrained": args.checkpoint}
+        model, model_args = "k3ray", {"pretrained": args.model}
         if args.max_length is not None:
             model_args["max_length"] = args.max_length
     results, path = bridge.run_lm_eval(
@@ -212,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
         reserve_generation=args.reserve_generation,
         haystack=args.haystack,
         task_files=tuple(args.task_file),
-        executor="threads" if args.checkpoint is not None else args.executor,  # the engine lives here
+        executor="threads" if args.model is not None else args.executor,  # the engine lives here
     )
     try:
         summary = run_eval(config, _target(args), args.out, resume=args.resume, progress=not args.no_progress)

@@ -71,7 +71,7 @@ def probe_server(endpoint: str, model: str | None = None, api_key: str | None = 
         cards = models.get("data") or []
         if model is None:
             if not cards:
-                raise ValueError(f"{root}/v1/models lists no model; pass the served model name (--model)")
+                raise ValueError(f"{root}/v1/models lists no model; pass the served model name (--served-model-name)")
             model = cards[0]["id"]
         info = _get_json(client, "GET", "/tokenizer_info") or {}
         tokenized = _get_json(client, "POST", "/tokenize",

@@ -1,7 +1,7 @@
 """`k3ray bench serve`: vLLM-style serving benchmark of an OpenAI-compatible endpoint, and the
 served / in-process throughput ratio.
 
-Without --endpoint it starts k3ray's Serve app on 127.0.0.1 (the tiny K3 unless --checkpoint)
+Without --endpoint it starts k3ray's Serve app on 127.0.0.1 (the tiny K3 unless --model)
 and stops it afterwards. For each --concurrency level, --num-prompts requests arrive at
 --request-rate (inf: all at once; else Poisson / gamma gaps with --burstiness) with at most that
 many in flight, streamed over SSE; the same requests then run on the in-process engine at the
@@ -19,12 +19,9 @@ import math
 import statistics
 from typing import Any
 
-import httpx
-import torch
-
-from k3ray.evals.serve_bench import datasets, metrics
-from k3ray.evals.serve_bench.client import RequestResult, open_session, stream_completion
-from k3ray.evals.serve_bench.load import arrival_offsets, run_load
+from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
+from k3ray.evals.serve_bench import datasets
+from k3ray.threads import add_threads_argument, resolved_threads
 
 HELP = "served TTFT / TPOT / ITL / throughput vs the in-process engine"
 LEVEL_KEYS = ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
@@ -63,11 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="server URL (default: start k3ray's Serve app on 127.0.0.1)")
     parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                         help="without --endpoint: HAProxy + each replica's own HTTP server, or Serve's proxy actor")
-    parser.add_argument("--model", help="served model name (default: the first of /v1/models)")
-    parser.add_argument("--checkpoint", help="checkpoint served locally and run in process (default: tiny K3); "
-                        "with --endpoint, the in-process side of served_vs_engine_tok_s")
+    parser.add_argument("--model", "--checkpoint", dest="model", metavar="DIR",
+                        help="checkpoint served locally and run in process (default: tiny K3); with --endpoint, the "
+                        "in-process side of served_vs_engine_tok_s")
+    parser.add_argument("--served-model-name", help="the model name the endpoint serves (default: the first of "
+                        "/v1/models)")
+    parser.add_argument("--api-key", default=client_api_key(), help=CLIENT_API_KEY_HELP)
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine runs")
-    parser.add_argument("--dataset", choices=datasets.DATASETS, default="random")
+    parser.add_argument("--dataset", choices=datasets.DATASETS, default="random",
+                        help="random token ids, or long prompts of the bundled text (default random)")
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens (mean)")
     parser.add_argument("--output-len", type=int, default=16, help="generated tokens (mean; EOS ignored)")
     parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * (1 +- ratio)")
@@ -80,10 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved served / engine runs per level (median)")
     parser.add_argument("--warmups", type=int, default=1, help="untimed requests before the levels")
     parser.add_argument("--max-num-seqs", type=int, help="locally served engine batch (default: max level, >= 64)")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch threads of the served replica and of the in-process engine (the same)")
+    add_threads_argument(parser, "the served replica and of the in-process engine (the same)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival gaps")
     parser.add_argument("--save-detailed", action="store_true",
                         help="also the per-request lists (ttfts, itls, latencies, ...) of the highest level")
 
@@ -91,9 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _serve_args(args: argparse.Namespace, levels: list[int | None], max_prompts: int) -> dict[str, Any]:
     widest = max(level or max_prompts for level in levels)
     max_len = int(args.input_len * (1 + args.range_ratio)) + int(args.output_len * (1 + args.range_ratio)) + 2
-    return {"model": {"model": args.checkpoint}, "server": {"max_queued_requests": -1},
+    return {"model": {"model": args.model}, "server": {"max_queued_requests": -1},
             "engine": {"max_num_seqs": args.max_num_seqs or max(64, widest), "max_model_len": max_len,
-                       "torch_threads": args.torch_threads}}
+                       "threads": resolved_threads(args.threads)}}
 
 
 def _requests(args: argparse.Namespace, n: int, seed: int, token_range, tokenize) -> list[datasets.BenchRequest]:
@@ -102,16 +102,24 @@ def _requests(args: argparse.Namespace, n: int, seed: int, token_range, tokenize
     return datasets.long_requests(n, args.input_len, args.output_len, tokenize, args.range_ratio, seed)
 
 
-async def _served(url: str, model: str, requests, offsets, concurrency, timeout) -> tuple[list[RequestResult], float]:
-    async with open_session(concurrency, timeout) as session:
+async def _served(url: str, model: str, requests, offsets, concurrency, timeout,
+                  api_key: str | None = None) -> tuple[list[RequestResult], float]:
+    from k3ray.evals.serve_bench.client import RequestResult, open_session, stream_completion
+    from k3ray.evals.serve_bench.load import arrival_offsets, run_load
+
+    async with open_session(concurrency, timeout, api_key) as session:
         return await run_load(lambda r: stream_completion(session, url, model, r), requests, offsets, concurrency)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from k3ray.evals.serve_bench import metrics
+
     levels = _levels(args.concurrency)
     percentiles = _percentiles(args.metric_percentiles)
     slos = metrics.parse_goodput(args.goodput)
-    for name in ("repeats", "input_len", "output_len", "num_prompts", "torch_threads"):
+    import torch
+
+    for name in ("repeats", "input_len", "output_len", "num_prompts", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -133,7 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _engine(args: argparse.Namespace, serve_args: dict[str, Any]):
     """The served replica's engine, rebuilt in this process from the same settings."""
-    if args.no_engine or (args.endpoint is not None and args.checkpoint is None):
+    if args.no_engine or (args.endpoint is not None and args.model is None):
         return None
     from k3ray.actors.serve_config import ServeArgs
     from k3ray.actors.serve_engine import build_engine
@@ -146,11 +154,13 @@ def _level(args, url, model, engine, batches, offsets, level, percentiles, slos)
     """Interleaved served / in-process runs of one level, one per batch of requests (fresh prompts
     each time, so no run reuses another's prefix cache): (its `levels` row, the served metrics of
     the median-throughput run, that run's per-request results)."""
+    from k3ray.evals.serve_bench import metrics
+
     from k3ray.evals.serve_bench.engine_side import run_on_engine
 
     runs = []
     for requests in batches:
-        results, duration = asyncio.run(_served(url, model, requests, offsets, level, args.timeout))
+        results, duration = asyncio.run(_served(url, model, requests, offsets, level, args.timeout, args.api_key))
         served = metrics.calculate_metrics(results, duration, percentiles, slos)
         on_engine = run_on_engine(engine, requests, level or len(requests)) if engine is not None else None
         runs.append((served, results, on_engine))
@@ -166,22 +176,29 @@ def _level(args, url, model, engine, batches, offsets, level, percentiles, slos)
 
 
 def _bench(args, url, levels, counts, percentiles, slos, serve_args) -> dict[str, Any]:
+    import httpx
+
+    from k3ray.evals.serve_bench import metrics
+    from k3ray.evals.serve_bench.load import arrival_offsets, run_load
+    from k3ray.evals.serve_bench.server import auth_headers
+
     from k3ray.bench.common import machine
     from k3ray.evals.serve_bench.engine_side import run_on_engine
     from k3ray.evals.serve_bench.server import server_facts
 
-    model, tokenizer_info = server_facts(url, args.model)
+    model, tokenizer_info = server_facts(url, args.served_model_name, api_key=args.api_key)
     engine = _engine(args, serve_args)
 
     def tokenize(text: str) -> list[int]:
-        response = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text}, timeout=args.timeout)
+        response = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text}, timeout=args.timeout,
+                              headers=auth_headers(args.api_key))
         response.raise_for_status()
         return response.json()["tokens"]
 
     token_range = datasets.ordinary_token_range(tokenizer_info) if args.dataset == "random" else None
     if args.warmups:
         warm = _requests(args, args.warmups, args.seed + 999_999, token_range, tokenize)
-        asyncio.run(_served(url, model, warm, [0.0] * len(warm), None, args.timeout))
+        asyncio.run(_served(url, model, warm, [0.0] * len(warm), None, args.timeout, args.api_key))
         if engine is not None:
             run_on_engine(engine, warm, None)
     rows, last = [], None
@@ -206,7 +223,7 @@ def _bench(args, url, levels, counts, percentiles, slos, serve_args) -> dict[str
     if args.save_detailed:
         result |= metrics.per_request_lists(results)
     result["machine"] = machine()
-    result["config"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"}
+    result["config"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("json", "api_key")}
     result["config"]["request_rate"] = _rate(args.request_rate)
     result["config"]["serve_args"] = serve_args if args.endpoint is None else None
     return result

@@ -40,10 +40,11 @@ def completion_payload(model: str, request: BenchRequest, extra_body: dict | Non
             **(extra_body or {})}
 
 
-def open_session(concurrency: int | None, timeout: float) -> aiohttp.ClientSession:
+def open_session(concurrency: int | None, timeout: float, api_key: str | None = None) -> aiohttp.ClientSession:
     """Keep-alive connections, at most `concurrency` (None: no cap) open at once."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency or 0),
-                                 timeout=aiohttp.ClientTimeout(total=timeout))
+                                 timeout=aiohttp.ClientTimeout(total=timeout),
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, request: BenchRequest,

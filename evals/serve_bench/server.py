@@ -44,14 +44,18 @@ def local_serve_app(serve_args: dict, port: int | None = None, ingress: str = "h
         serve_launch.stop(owns_ray=started)
 
 
-def server_facts(url: str, model: str | None, timeout: float = 30.0) -> tuple[str, dict]:
+def server_facts(url: str, model: str | None, timeout: float = 30.0, api_key: str | None = None) -> tuple[str, dict]:
     """(the served model name, /tokenizer_info or {})."""
-    with httpx.Client(base_url=url, timeout=timeout) as client:
+    with httpx.Client(base_url=url, timeout=timeout, headers=auth_headers(api_key)) as client:
         if model is None:
             cards = client.get("/v1/models").json().get("data") or []
             if not cards:
-                raise ValueError(f"{url}/v1/models lists no model; pass --model")
+                raise ValueError(f"{url}/v1/models lists no model; pass --served-model-name")
             model = cards[0]["id"]
         response = client.get("/tokenizer_info")
         info = response.json() if response.status_code == 200 else {}
     return model, info
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}

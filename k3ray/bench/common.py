@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -9,6 +10,23 @@ import statistics
 import time
 from importlib import metadata
 from typing import Any, Callable
+
+
+def under_torch(mode: str) -> Callable[[Callable], Callable]:
+    """Decorator running a function under `torch.<mode>()` (no_grad, inference_mode), importing
+    torch only when it is called, so a benchmark's module (and its --help) loads without torch."""
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            import torch
+
+            with getattr(torch, mode)():
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
 
 
 def machine() -> dict[str, Any]:

@@ -21,15 +21,11 @@ import time
 from typing import Any
 
 import psutil
-import torch
 
 from k3ray.bench.common import machine
-from k3ray.bench.model import graph_decode_seconds
 from k3ray.config import preset
-from k3ray.device import resolve_device
 from k3ray.device_flags import add_device_argument, add_enforce_eager_argument
-from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
-from k3ray.models.init import build_model
+from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "continuous batching, prefix caching, speculative decoding, long prompts"
 GIB = 1024**3
@@ -38,30 +34,37 @@ PREFIX_REPEATS = 3  # medians over this many cold and warm prompts
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="k3-tiny", help="model preset (random weights, seed 0)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=64)
+    add_threads_argument(parser)
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
+    parser.add_argument("--concurrency", type=int, default=64, help="requests in flight in the batching run")
     parser.add_argument("--sequential", type=int, default=8, help="requests timed one at a time")
-    parser.add_argument("--batch-prompt-tokens", type=int, default=32)
-    parser.add_argument("--batch-max-tokens", type=int, default=32)
-    parser.add_argument("--prefix-prompt-tokens", type=int, default=2048)
-    parser.add_argument("--prefix-shared", type=float, default=0.9)
+    parser.add_argument("--batch-prompt-tokens", type=int, default=32, help="prompt tokens per batched request")
+    parser.add_argument("--batch-max-tokens", type=int, default=32, help="new tokens per batched request")
+    parser.add_argument("--prefix-prompt-tokens", type=int, default=2048,
+                        help="prompt tokens of the prefix-cache run")
+    parser.add_argument("--prefix-shared", type=float, default=0.9, help="share of those prompts that is a common prefix")
     parser.add_argument("--snapshot-interval", type=int, default=16, help="blocks between state snapshots")
-    parser.add_argument("--spec-tokens", type=int, default=4)
-    parser.add_argument("--spec-max-tokens", type=int, default=64)
-    parser.add_argument("--spec-attn-scale", type=float, default=0.1)
+    parser.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per speculative step")
+    parser.add_argument("--spec-max-tokens", type=int, default=64, help="new tokens of the speculative run")
+    parser.add_argument("--spec-attn-scale", type=float, default=0.1,
+                        help="attention weight scale of the draft-friendly model")
     parser.add_argument("--long-prompt-tokens", type=int, default=16384, help="e.g. 1048576 for 1M")
     parser.add_argument("--long-chunk", type=int, default=512, help="prefill tokens per step")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model weights")
     parser.add_argument("--graph-max-tokens", type=int, default=128, help="decode steps timed per CUDA-graph run")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["batching", "prefix", "spec", "long", "graphs"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["batching", "prefix", "spec", "long", "graphs"],
+                        help="runs to leave out")
     add_device_argument(parser)
     add_enforce_eager_argument(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    import torch
+
+    from k3ray.device import resolve_device
+    from k3ray.models.init import build_model
+
+    set_threads(args.threads)
     args.device = resolve_device(args.device)
     result: dict[str, Any] = {}
     model = build_model(preset(args.preset), getattr(torch, args.dtype), seed=0, device=args.device)
@@ -85,6 +88,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (length,), generator=gen).tolist() for _ in range(n)]
 
@@ -94,6 +99,8 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 
 def bench_batching(model, args) -> dict[str, Any]:
+    from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
+
     prompts = _prompts(args.concurrency, args.batch_prompt_tokens, 0)
     per_seq = args.batch_prompt_tokens + args.batch_max_tokens
     llm = LLM(model, max_num_seqs=args.concurrency, block_size=args.block_size, enforce_eager=args.enforce_eager,
@@ -114,6 +121,11 @@ def bench_batching(model, args) -> dict[str, Any]:
 def bench_graphs(model, args) -> dict[str, Any]:
     """CUDA only: engine decode at `concurrency` streams with CUDA graphs, against the same engine
     eager and against the bare captured-graph forward of the same batch (no scheduler, no sampler)."""
+    import torch
+
+    from k3ray.bench.model import graph_decode_seconds
+    from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
+
     streams, steps = args.concurrency, args.graph_max_tokens
     prompts = _prompts(streams, 8, 5)
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
@@ -136,6 +148,8 @@ def bench_graphs(model, args) -> dict[str, Any]:
 
 
 def bench_prefix(model, args) -> dict[str, Any]:
+    from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
+
     n, shared = args.prefix_prompt_tokens, int(args.prefix_prompt_tokens * args.prefix_shared)
     stride = args.snapshot_interval * args.block_size
     llm = LLM(model, max_num_seqs=4, block_size=args.block_size, num_blocks=8 * _blocks(n, args.block_size),
@@ -156,6 +170,11 @@ def bench_prefix(model, args) -> dict[str, Any]:
 
 
 def bench_spec(args) -> dict[str, Any]:
+    import torch
+
+    from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
+    from k3ray.models.init import build_model
+
     model = build_model(preset(args.preset), getattr(torch, args.dtype), seed=0, device=args.device)
     with torch.no_grad():
         for layer in model.model.layers.values():
@@ -180,6 +199,10 @@ def bench_spec(args) -> dict[str, Any]:
 
 
 def bench_long_prompt(model, args) -> dict[str, Any]:
+    import torch
+
+    from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
+
     n = args.long_prompt_tokens
     llm = LLM(model, max_num_seqs=1, block_size=args.block_size, num_blocks=_blocks(n + 2, args.block_size),
               enforce_eager=args.enforce_eager,

@@ -15,9 +15,8 @@ import time
 import warnings
 from typing import Any, Callable
 
-import torch
-
 from k3ray.bench.common import machine, median_time
+from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "per-op kernel timings at K3 and tiny shapes"
 OP_MODULES = ("kda", "conv", "mla", "attn_res", "moe")
@@ -34,11 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-heads", type=int, default=None,
                         help="heads for the fla naive_chunk_kda comparison at T=4096, K=V=128 (default 16, quick 8)")
     parser.add_argument("--no-compare", action="store_true", help="skip the fla naive_chunk_kda comparison")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's); 1 is steadier on a busy machine")
+    add_threads_argument(parser)
 
 
 def _synced(fn: Callable[[], Any], device: str) -> Callable[[], Any]:
+    import torch
+
     if not device.startswith("cuda"):
         return fn
 
@@ -76,6 +76,8 @@ def _op_modules(ops: list[str]) -> list[Any]:
 
 def compare_with_fla_naive_chunk(heads: int, repeats: int, T: int = 4096, K: int = 128) -> dict[str, Any] | None:
     """fla naive_chunk_kda seconds / ours on CPU, interleaved, medians; None without fla-core."""
+    import torch
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -103,16 +105,15 @@ def compare_with_fla_naive_chunk(heads: int, repeats: int, T: int = 4096, K: int
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device!r} asked for, but CUDA is not available")
     repeats = args.repeats or (2 if args.quick else 5)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     load_before = os.getloadavg()[0]
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = sorted(set(ops) - set(OP_MODULES))

@@ -7,33 +7,29 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from k3ray.bench.common import machine, median_time
 from k3ray.config import preset
-from k3ray.device import resolve_device
 from k3ray.device_flags import add_device_argument, add_enforce_eager_argument
-from k3ray.engine.cuda_graphs import DecodeGraphs
-from k3ray.engine.plan import BatchPlan
-from k3ray.models.forward_batch import ForwardBatch, ModelCache
-from k3ray.models.init import build_model
+from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "tiny K3 model prefill / decode tokens/s on this machine"
 BLOCK = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="k3-tiny")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--decode-steps", type=int, default=32)
-    p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--preset", default="k3-tiny", help="model preset (random weights, seed 0)")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prefill tokens")
+    p.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per batch size")
+    p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 16], help="decode batch sizes")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
+    add_threads_argument(p)
     add_device_argument(p)
     add_enforce_eager_argument(p)
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -41,6 +37,10 @@ def _sync(device: torch.device) -> None:
 def _prefill(model, ids: torch.Tensor, n_seqs: int, device: torch.device,
              room: int = 256) -> tuple[ModelCache, torch.Tensor]:
     """n_seqs copies of ids prefilled into a fresh cache with room for `room` more tokens each."""
+    import torch
+
+    from k3ray.models.forward_batch import ForwardBatch, ModelCache
+
     c = model.config
     T = ids.numel()
     blocks_per_seq = (T + room) // BLOCK + 1
@@ -55,6 +55,10 @@ def _prefill(model, ids: torch.Tensor, n_seqs: int, device: torch.device,
 
 
 def _decode_eager(model, ids: torch.Tensor, bsz: int, steps: int, device: torch.device) -> None:
+    import torch
+
+    from k3ray.models.forward_batch import ForwardBatch, ModelCache
+
     cache, tables = _prefill(model, ids, bsz, device)
     tok = torch.randint(0, 256, (bsz,)).to(device)
     with torch.no_grad():
@@ -68,6 +72,11 @@ def _decode_eager(model, ids: torch.Tensor, bsz: int, steps: int, device: torch.
 def graph_decode_seconds(model, ids: torch.Tensor, bsz: int, steps: int, device: torch.device) -> float:
     """Seconds for `steps` decode steps of bsz copies of ids replayed from a captured CUDA graph
     (prefill and capture not counted)."""
+    import torch
+
+    from k3ray.engine.cuda_graphs import DecodeGraphs
+    from k3ray.engine.plan import BatchPlan
+
     cache, tables = _prefill(model, ids, bsz, device, room=max(256, steps + 1))
     graphs = DecodeGraphs(model, cache, bsz, tables.shape[1])
     tok = torch.randint(0, 256, (bsz,))
@@ -81,10 +90,14 @@ def graph_decode_seconds(model, ids: torch.Tensor, bsz: int, steps: int, device:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from k3ray.device import resolve_device
+    from k3ray.models.init import build_model
+
     config = preset(args.preset)
     device = resolve_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     torch.manual_seed(0)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel", type=int, default=None, help="fix expert shards per stage")
     p.add_argument("--layer-costs", metavar="FILE", default=None,
                    help="`k3ray bench layer --json` output: also predict tokens/s per device for the layout")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
 
 
 def main(args: argparse.Namespace) -> int:

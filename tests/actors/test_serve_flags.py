@@ -21,10 +21,10 @@ from k3ray.actors.serve_yaml import serve_config_yaml
 # the flags `k3ray serve` had before they were generated (README, tests and scripts use them)
 FLAGS = {
     "--host", "--port", "--address", "--ingress", "--num-cpus", "--api-key", "--max-body-bytes",
-    "--served-model-name", "--model", "--dtype", "--pipeline", "--expert-parallel", "--replica-cpus",
+    "--served-model-name", "--model", "--dtype", "--tokenizer", "--pipeline", "--expert-parallel", "--replica-cpus",
     "--stage-cpus", "--shard-cpus", "--router-cpus", "--stage-gpus", "--shard-gpus", "--replica-gpus",
     "--vision-cpus", "--vision-gpus", "--allow-remote-media-urls", "--max-media-bytes", "--max-media-per-prompt",
-    "--media-fetch-timeout-s", "--placement-strategy", "--moe-dispatch", "--torch-threads", "--engine-process",
+    "--media-fetch-timeout-s", "--placement-strategy", "--moe-dispatch", "--threads", "--engine-process",
     "--min-replicas", "--max-replicas", "--initial-replicas", "--target-ongoing-requests", "--upscale-delay-s",
     "--downscale-delay-s", "--metrics-interval-s", "--look-back-period-s", "--max-ongoing-requests",
     "--max-queued-requests", "--retry-after-s", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",

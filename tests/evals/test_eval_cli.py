@@ -61,6 +61,6 @@ def test_mm_suite_counts_images(tmp_path):
     assert summary["tasks"]["video_niah"]["unit"] == "frames"
 
 
-def test_endpoint_needs_a_model(tmp_path):
-    with pytest.raises(ValueError, match="--model"):
+def test_endpoint_without_a_served_model_name_asks_the_server(tmp_path):
+    with pytest.raises(ValueError, match=r"cannot reach http://127.0.0.1:9/v1/models"):
         _main("niah", "--endpoint", "http://127.0.0.1:9", "--out", str(tmp_path), "--no-progress")

@@ -119,7 +119,7 @@ def test_missing_tokenizer_routes_fail_clearly(bare_server, tmp_path):
         target.detokenize([1])
     parser = argparse.ArgumentParser()
     eval_cli.add_arguments(parser)
-    args = parser.parse_args(["niah", "--endpoint", bare_server.url, "--model", "k3", "--lengths", "1k",
+    args = parser.parse_args(["niah", "--endpoint", bare_server.url, "--served-model-name", "k3", "--lengths", "1k",
                               "--out", str(tmp_path / "cli"), "--no-progress", "--executor", "threads"])
     assert eval_cli.main(args) == 2
 

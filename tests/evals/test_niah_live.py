@@ -3,7 +3,7 @@ the same grid on the replica's engine rebuilt in this process gives the same rec
 
 The 1,048,576-token cell is `slow` (not in default CI): on the tiny model on 2 CPU cores its
 prefill is quadratic (3 MLA layers attend to the whole context): the same cell through
-`k3ray eval niah --checkpoint` took 3,296 s at 2.37 GiB peak RSS (README, "Measured")."""
+`k3ray eval niah --model` took 3,296 s at 2.37 GiB peak RSS (README, "Measured")."""
 
 import json
 import socket
@@ -55,7 +55,7 @@ def server(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def endpoint_run(server, tmp_path_factory):
     out = tmp_path_factory.mktemp("niah_live")
-    rc = k3ray_main(["eval", "niah", "--endpoint", server, "--model", MODEL, "--lengths", "512,1k",
+    rc = k3ray_main(["eval", "niah", "--endpoint", server, "--served-model-name", MODEL, "--lengths", "512,1k",
                      "--depths", "0,50,100", "--out", str(out), "--executor", "threads", "--concurrency", "6",
                      "--no-progress"])
     return rc, out
@@ -122,7 +122,7 @@ def test_a_million_token_niah_cell_on_the_tiny_model(tiny_checkpoint, tmp_path, 
 
 def test_eval_cli_with_a_checkpoint_gives_the_endpoints_records(endpoint_run, tiny_checkpoint, tmp_path, capsys):
     _, out = endpoint_run
-    rc = k3ray_main(["eval", "niah", "--checkpoint", tiny_checkpoint, "--lengths", "512", "--depths", "0,100",
+    rc = k3ray_main(["eval", "niah", "--model", tiny_checkpoint, "--lengths", "512", "--depths", "0,100",
                      "--max-model-len", "2048", "--cache-memory-mb", "32", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0, capsys.readouterr()
     served, local = records(out), records(tmp_path)

@@ -30,7 +30,7 @@ def request_set(stop: str) -> list:
 
 @pytest.fixture(scope="module")
 def args(tiny_checkpoint):
-    engine = {"max_model_len": 256, "cache_memory_mb": 8, "torch_threads": 1}
+    engine = {"max_model_len": 256, "cache_memory_mb": 8, "threads": 1}
     return ServeArgs.model_validate({"model": {"model": tiny_checkpoint}, "engine": engine}).resolved()
 
 
