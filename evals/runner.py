@@ -9,6 +9,7 @@ flight. Then `summary.json`, the heatmap and the reports are (re)written from th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -69,6 +70,7 @@ def _check_context(target: Target, config: RunConfig, jobs: Sequence[tuple[Task,
     if not text_jobs:
         return
     count_tokens(target, "ping")  # fails early on a server without /tokenize; learns max_model_len
+    _check_min_lengths(target, config, text_jobs)
     if target.max_context is None:
         return
     for task, cell in text_jobs:
@@ -78,6 +80,17 @@ def _check_context(target: Target, config: RunConfig, jobs: Sequence[tuple[Task,
                 f"{cell.key} needs {needed} tokens of context ({cell.length} prompt + {task.max_tokens} generated) "
                 f"but {target.name} serves at most {target.max_context}; lower --lengths or pass --reserve-generation"
             )
+
+
+def _check_min_lengths(target: Target, config: RunConfig, text_jobs: Sequence[tuple[Task, Cell]]) -> None:
+    """A task whose prompt cannot be built at a length fails here, naming the length it needs."""
+    count = functools.partial(count_tokens, target)
+    for task in {t.name: t for t, _ in text_jobs}.values():
+        shortest = min(c.length for t, c in text_jobs if t.name == task.name)
+        needed = task.min_prompt_tokens(count) + (task.max_tokens if config.reserve_generation else 0)
+        if shortest < needed:
+            raise ValueError(f"task {task.name} needs --lengths of at least {needed} tokens with {target.name}'s "
+                             f"tokenizer, got {shortest}")
 
 
 def _use_ray(executor: str) -> bool:

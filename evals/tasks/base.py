@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import random
 import re
 from abc import ABC, abstractmethod
@@ -81,12 +82,22 @@ def fit_counted_core(
     raise ValueError(f"could not fit {what} into {budget} tokens")
 
 
+def counted_core_min_budget(count: Callable[[str], int], head: str, tail: str, tokens_per_unit: float,
+                            min_units: int) -> int:
+    """The smallest prompt budget `fit_counted_core` sizes to at least `min_units` units."""
+    return math.ceil(count(head + tail) + min_units * tokens_per_unit / (1 - FILLER_SHARE)) + 1
+
+
 class Task(ABC):
     name: str
     metric: str = "all"
     max_tokens: int = 64
     uses_depth: bool = True
     unit: str = "tokens"
+
+    def min_prompt_tokens(self, count: Callable[[str], int]) -> int:
+        """The shortest prompt (in `count`'s tokens) this task can build; checked before a run starts."""
+        return 1
 
     def cells(self, lengths: Sequence[int], depths: Sequence[float] | None, samples: int) -> list[Cell]:
         """The grid: lengths x depths x samples; depth None means a seeded random depth per cell."""

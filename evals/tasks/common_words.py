@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from k3ray.evals import haystack as hs
 from k3ray.evals import words
 from k3ray.evals.target import Prompt
-from k3ray.evals.tasks.base import Cell, Layout, TextTask, fit_counted_core, question_in
+from k3ray.evals.tasks.base import Cell, Layout, TextTask, counted_core_min_budget, fit_counted_core, question_in
 
 _QUESTION = re.compile(r"What are the (\d+) most common words in the list above\?")
 _ITEM = re.compile(r"^\d+\. (\S+)$", re.M)
@@ -31,6 +31,11 @@ class CommonWords(TextTask):
     max_tokens: int = 120
     uses_depth = False
 
+    @property
+    def min_items(self) -> int:
+        """The shortest list whose common words appear at least freq_uncommon + 2 times each."""
+        return 2 * self.num_common * (self.freq_uncommon + 2)
+
     def _core(self, rng: random.Random, num_items: int, length: int) -> tuple[list[str], list[str]]:
         freq = min(self.freq_common, num_items // (2 * self.num_common))
         if freq <= self.freq_uncommon + 1:
@@ -42,20 +47,31 @@ class CommonWords(TextTask):
         rng.shuffle(listed)
         return common, listed
 
-    def layout(self, rng: random.Random, cell: Cell, count: Callable[[str], int], budget: int) -> Layout:
+    def _head_tail(self) -> tuple[str, str]:
         head = "Below is a numbered list of words. Some words appear more often than others: remember which.\n"
         tail = (
             f"\nQuestion: What are the {self.num_common} most common words in the list above?"
             f" Answer: The {self.num_common} most common words in the list above are:"
         )
+        return head, tail
+
+    @staticmethod
+    def _tokens_per_item(count: Callable[[str], int]) -> float:
         sample = "".join(f"\n{1000 + i}. {w}" for i, w in enumerate(words.distinct_words(random.Random(0), 64)))
+        return count(sample) / 64
+
+    def min_prompt_tokens(self, count: Callable[[str], int]) -> int:
+        return counted_core_min_budget(count, *self._head_tail(), self._tokens_per_item(count), self.min_items)
+
+    def layout(self, rng: random.Random, cell: Cell, count: Callable[[str], int], budget: int) -> Layout:
+        head, tail = self._head_tail()
         core_seed, tail_seed = rng.getrandbits(64), rng.getrandbits(64)
 
         def build(num_items: int) -> tuple[tuple[list[str], list[str]], str]:
             common, listed = self._core(random.Random(core_seed), num_items, cell.length)
             return (common, listed), head.rstrip("\n") + "".join(f"\n{i}. {w}" for i, w in enumerate(listed, 1))
 
-        (common, listed), core = fit_counted_core(build, count, head, tail, count(sample) / 64, budget,
+        (common, listed), core = fit_counted_core(build, count, head, tail, self._tokens_per_item(count), budget,
                                                   "a common-words list")
         filler = hs.StreamedText(_once_only_items(random.Random(tail_seed), len(listed) + 1))
         return Layout.filled(core, filler, tail, tuple(common))

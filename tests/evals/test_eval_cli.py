@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -64,3 +65,17 @@ def test_mm_suite_counts_images(tmp_path):
 def test_endpoint_without_a_served_model_name_asks_the_server(tmp_path):
     with pytest.raises(ValueError, match=r"cannot reach http://127.0.0.1:9/v1/models"):
         _main("niah", "--endpoint", "http://127.0.0.1:9", "--out", str(tmp_path), "--no-progress")
+
+
+def test_cwe_below_its_minimum_length_fails_before_any_cell(tmp_path):
+    """The minimum is known up front (100 list items in the target's tokens): no cell runs, nothing is written."""
+    out = tmp_path / "cwe"
+    with pytest.raises(ValueError, match=r"task cwe needs --lengths of at least (\d+) tokens .* got 1024") as error:
+        _main("ruler", "--oracle", "right", "--task", "cwe,niah_single_1", "--lengths", "1k,4k", "--out", str(out),
+              "--no-progress")
+    assert not (out / "results.jsonl").exists()
+    minimum = int(re.search(r"at least (\d+)", str(error.value)).group(1))
+    assert 1024 < minimum < 4096
+    assert _main("ruler", "--oracle", "right", "--task", "cwe", "--lengths", str(minimum), "--out", str(out),
+                 "--no-progress") == 0
+    assert json.loads((out / "summary.json").read_text())["accuracy"] == 1.0
