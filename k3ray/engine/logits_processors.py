@@ -45,13 +45,14 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prom
     M, V = logits.shape
     device = logits.device
     output_counts = token_counts(output_ids, V, device)  # [M, V]
-    in_prompt = token_counts(prompt_ids, V, device) > 0  # [M, V]
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        # only the repetition penalty reads the prompt (one pass over its ids per step)
+        repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+        seen = (token_counts(prompt_ids, V, device) > 0) | (output_counts > 0)  # [M, V]
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalised, logits)
     frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
     presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
-    seen = in_prompt | (output_counts > 0)
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalised, logits)
     return logits - frequency * output_counts - presence * (output_counts > 0).to(logits.dtype)
 
 
