@@ -15,7 +15,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """What the output must parse as (vLLM's names): `json` a JSON schema (a dict or its JSON text,
-    kept as canonical JSON text), or `json_object` any JSON object. Exactly one is set."""
+    kept as compact JSON text in its key order), or `json_object` any JSON object. Exactly one is set."""
 
     json: str | dict | None = None
     json_object: bool = False
@@ -37,6 +37,12 @@ class SamplingParams:
     max_tokens None generates until the context limit; logprobs n returns the top-n log-probabilities
     (of the raw model distribution) for each generated token, prompt_logprobs n the same for every
     prompt token after the first; seed makes sampling reproducible whatever else is in the batch.
+
+    The logits controls act before temperature, as in vLLM: logit_bias (token id -> value added to its
+    logit), repetition_penalty over the prompt and output tokens (a positive logit divided by it, a
+    negative one multiplied), frequency_penalty x the token's count in the output and presence_penalty
+    once it is there (both subtracted). best_of samples that many sequences and returns the n with
+    the highest cumulative log-probability; structured_outputs masks every token outside a grammar.
     """
 
     n: int = 1
