@@ -12,7 +12,7 @@ from k3ray.engine.media_inputs import MediaInputError, MultiModalConfig
 from k3ray.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.engine.stats import EngineStats
-from k3ray.sampling_params import SamplingParams
+from k3ray.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -35,6 +35,7 @@ __all__ = [
     "SamplingParams",
     "SpeculativeConfig",
     "StepPlan",
+    "StructuredOutputsParams",
     "local_vision_encoder",
     "size_cache",
 ]
