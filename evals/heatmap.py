@@ -1,4 +1,5 @@
-"""gkamradt-style heatmap: needle depth (rows) x context length (columns), red -> green accuracy."""
+"""gkamradt-style heatmap: needle depth (rows) x length (columns: context tokens, or images / frames
+per prompt for multimodal needles), red -> green accuracy."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 
 # gkamradt's colours, red (0%) -> yellow -> green (100%)
 _COLOURS = ["#F0496E", "#EBB839", "#0CD79F"]
+AXIS_LABELS = {"tokens": "context length (tokens)", "images": "images per prompt", "frames": "frames per video"}
 
 
 def length_label(length: int) -> str:
@@ -16,6 +18,14 @@ def length_label(length: int) -> str:
         if length >= size and length % size == 0:
             return f"{length // size}{suffix}"
     return str(length)
+
+
+def length_axis_label(summary: dict[str, Any]) -> str:
+    """What a length counts: the tasks' common unit, or every unit when they differ."""
+    units = sorted({task["unit"] for task in summary["tasks"].values()})
+    if len(units) == 1:
+        return AXIS_LABELS.get(units[0], units[0])
+    return "length (" + " / ".join(units) + ")"
 
 
 def plot(summary: dict[str, Any], path: str | Path) -> None:
@@ -44,7 +54,7 @@ def plot(summary: dict[str, Any], path: str | Path) -> None:
                 ax.text(j, i, f"{100 * values[i, j]:.0f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
     ax.set_yticks(range(len(rows)), rows)
-    ax.set_xlabel("context length")
+    ax.set_xlabel(length_axis_label(summary))
     ax.set_ylabel("needle depth")
     ax.set_title(f"{summary['config'].get('target', '')}: {100 * (summary['accuracy'] or 0):.1f}% overall", fontsize=9)
     fig.colorbar(image, ax=ax, label="accuracy (%)")

@@ -91,6 +91,16 @@ class OpenAITarget:
         body = self._tokenize(text)
         return int(body.get("count", len(body["tokens"])))
 
+    def count_chat_tokens(self, messages: list[dict[str, Any]]) -> int | None:
+        """The chat prompt's token count from /tokenize (media expanded to their tokens); None when
+        the server cannot tokenize chats."""
+        try:
+            body = self._post("/tokenize", {"model": self.model, "messages": messages, "add_generation_prompt": True},
+                              tokenizer_route=True)
+        except EndpointError:
+            return None
+        return int(body["count"]) if isinstance(body.get("count"), int) else None
+
     def detokenize(self, ids: Sequence[int]) -> str:
         body = self._post("/detokenize", {"model": self.model, "tokens": list(ids)}, tokenizer_route=True)
         if "prompt" not in body:

@@ -34,3 +34,9 @@ def count_tokens(target: Target, text: str) -> int:
     """Token count of `text` for `target`, through a cheaper `count_tokens` method when it has one."""
     counter = getattr(target, "count_tokens", None)
     return counter(text) if counter is not None else len(target.tokenize(text))
+
+
+def count_chat_tokens(target: Target, messages: list[dict[str, Any]]) -> int | None:
+    """Tokens the model sees for a chat prompt (media included) when `target` can tell, else None."""
+    counter = getattr(target, "count_chat_tokens", None)
+    return None if counter is None else counter(messages)

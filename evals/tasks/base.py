@@ -40,7 +40,8 @@ class Cell:
 
 @dataclass(frozen=True)
 class Item:
-    """A generated prompt with its references; `prompt_tokens` is the verified count of a text prompt."""
+    """A generated prompt with its references; `prompt_tokens` is the verified count of a text prompt,
+    or the target's count of a chat prompt (None when it cannot tell)."""
 
     prompt: Prompt
     answers: tuple[str, ...]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from k3ray.evals.target import Prompt, Target
+from k3ray.evals.target import Prompt, Target, count_chat_tokens
 from k3ray.evals.tasks import images
 from k3ray.evals.tasks.base import Cell, Item, Task, cell_rng, pick_depth
 
@@ -49,7 +49,12 @@ class ImageNeedle(Task):
         content = [_text(f"Here are {cell.length} images. One of them shows a white card with a code of digits.")]
         content += [_image(p) for p in pictures]
         content.append(_text(_QUESTION))
-        return Item([{"role": "user", "content": content}], (code,), "all", self.max_tokens, None, depth)
+        return _chat_item(target, content, code, self.max_tokens, depth)
+
+
+def _chat_item(target: Target, content: list[dict[str, Any]], code: str, max_tokens: int, depth: float) -> Item:
+    messages = [{"role": "user", "content": content}]
+    return Item(messages, (code,), "all", max_tokens, count_chat_tokens(target, messages), depth)
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class VideoNeedle(Task):
         else:
             content += [_image(f) for f in frames]
         content.append(_text(_QUESTION))
-        return Item([{"role": "user", "content": content}], (code,), "all", self.max_tokens, None, depth)
+        return _chat_item(target, content, code, self.max_tokens, depth)
 
 
 def read(prompt: Prompt) -> str | None:

@@ -5,7 +5,7 @@ import json
 from PIL import Image
 
 from k3ray.evals import report
-from k3ray.evals.heatmap import length_label
+from k3ray.evals.heatmap import length_axis_label, length_label
 from k3ray.evals.tasks import TASKS
 
 CONFIG = {"tasks": ["niah", "vt"], "lengths": [1024, 1 << 20], "seed": 0, "target": "k3@http://127.0.0.1:8000"}
@@ -68,3 +68,12 @@ def test_random_depth_runs_plot_by_length(tmp_path):
 
 def test_length_labels():
     assert [length_label(n) for n in (1024, 4096, 1 << 20, 3000, 8)] == ["1k", "4k", "1m", "3000", "8"]
+
+
+def test_length_axis_names_what_a_length_counts():
+    def label(*names):
+        return length_axis_label(report.summarize(RECORDS, [TASKS[n] for n in names], CONFIG))
+
+    assert label("niah") == "context length (tokens)"
+    assert label("image_niah") == "images per prompt" and label("video_niah") == "frames per video"
+    assert label("image_niah", "video_niah") == "length (frames / images)"

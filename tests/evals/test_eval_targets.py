@@ -38,6 +38,10 @@ class _Server:
                     return self._send(404, {"detail": "Not Found"})
                 if body.get("model") != "k3":
                     return self._send(404, {"error": f"model {body.get('model')!r} not found"})
+                if route == "/tokenize" and "messages" in body:  # 100 tokens per image, one per text byte
+                    parts = [p for m in body["messages"] for p in m["content"]]
+                    count = sum(100 if p["type"] != "text" else len(p["text"].encode()) for p in parts)
+                    return self._send(200, {"tokens": [0] * count, "count": count, "max_model_len": MAX_MODEL_LEN})
                 if route == "/tokenize":
                     tokens = [BOS] * body.get("add_special_tokens", True) + list(body["prompt"].encode())
                     return self._send(200, {"tokens": tokens, "count": len(tokens), "max_model_len": MAX_MODEL_LEN})
@@ -109,6 +113,9 @@ def test_multimodal_prompts_use_the_chat_route(server, tmp_path):
     config = RunConfig(tasks=("image_niah", "video_niah_gif"), lengths=(3,), depths=(50.0,), executor="threads")
     assert run_eval(config, target, tmp_path, progress=False)["accuracy"] == 1.0
     assert server.seen_prompt_tokens == []
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    images = {r["task"]: r["prompt_tokens"] for r in records}
+    assert images["image_niah"] > 300 and 100 < images["video_niah_gif"] < 300  # 3 images at 100 each; one GIF
 
 
 def test_missing_tokenizer_routes_fail_clearly(bare_server, tmp_path):
