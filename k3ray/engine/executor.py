@@ -3,6 +3,7 @@ executor (k3ray.actors) implements the same four methods over pipeline-stage act
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 
 import torch
@@ -97,7 +98,11 @@ class LocalExecutor(Executor):
         latent = next(iter(self.cache.mla_latent.values()), None)
         blocks = 1 if latent is None else latent.shape[0] // block_size
         max_blocks = min(blocks, -(-max_model_len // block_size))
-        self.graphs = DecodeGraphs(self.model, self.cache, max_batch, max_blocks)
+        try:
+            self.graphs = DecodeGraphs(self.model, self.cache, max_batch, max_blocks)
+        except RuntimeError as e:  # an op that cannot be captured: serve eagerly rather than not at all
+            warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {e}", RuntimeWarning, stacklevel=2)
+            self.graphs = None
 
     def _forward(self, b: BatchPlan, ids: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(b):
