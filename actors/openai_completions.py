@@ -80,6 +80,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest) -> d
     if req.stream:
         return _stream(serving, req, prompts, params, request_id, choices, keep_generated)
     finals = await serving.run_to_end(prompts, params, request_id)
+    _discard_echo_step(serving, finals, keep_generated)
     body_choices = []
     for i, out in enumerate(finals):
         for c in out.outputs:
@@ -121,6 +122,7 @@ async def _stream(serving, req, prompts, params, request_id, choices, keep_gener
                     finals[i] = out
                 if entries:
                     yield chunk(entries)
+        _discard_echo_step(serving, finals, keep_generated)
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created,
                        "model": serving.model_name, "choices": [],
@@ -135,6 +137,14 @@ def _finish(c: CompletionOutput, keep_generated: bool) -> str | None:
 
 
 def _completion_tokens(finals: list[RequestOutput | None], keep_generated: bool) -> int:
-    if not keep_generated:
-        return 0
+    return _generated_tokens(finals) if keep_generated else 0
+
+
+def _generated_tokens(finals: list[RequestOutput | None]) -> int:
     return sum(len(c.token_ids) for out in finals if out is not None for c in out.outputs)
+
+
+def _discard_echo_step(serving: OpenAIServing, finals: list[RequestOutput | None], keep_generated: bool) -> None:
+    """An echo-only request's decode step is not generation the client sees: the metrics say so too."""
+    if not keep_generated and serving.metrics is not None:
+        serving.metrics.observe_discarded(_generated_tokens(finals))

@@ -55,6 +55,11 @@ class ServeMetrics:
         if generated > 1 and m.first_token_time is not None and m.finished_time is not None:
             self.tpot.observe((m.finished_time - m.first_token_time) / (generated - 1))
 
+    def observe_discarded(self, tokens: int) -> None:
+        """Tokens the engine generated that no response carries (the one decode step of an echo-only
+        request): left out of generation_tokens, so it agrees with the usage clients are told."""
+        self._engine.discarded_tokens += tokens
+
     def observe_aborted(self, count: int) -> None:
         """Requests whose client went away (or that failed) before they finished."""
         self.finished.labels(finished_reason="abort", **self.labels).inc(count)
@@ -70,6 +75,7 @@ class _EngineCollector(Collector):
         self.labels = labels
         self.stats = stats
         self.expert_load: list[list[int]] | None = None
+        self.discarded_tokens = 0
 
     def describe(self):
         return []
@@ -103,7 +109,7 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
         yield counter("prompt_tokens", "Prompt tokens computed by prefill", s.prompt_tokens)
-        yield counter("generation_tokens", "Generated tokens", s.generation_tokens)
+        yield counter("generation_tokens", "Generated tokens", s.generation_tokens - self.discarded_tokens)
         yield counter("num_preemptions", "Sequences preempted for cache space", s.num_preemptions)
         yield counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed", s.spec_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted", s.spec_accepted_tokens)
