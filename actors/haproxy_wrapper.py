@@ -9,6 +9,11 @@ then execs HAProxy with the same arguments:
   disconnected was generated to the end. A fresh loopback connection per request costs ~0.1 ms.
 - HAProxy's own 502/503/504 pages (no replica, a killed replica) become a 503 with Retry-After and an
   OpenAI error body, like the app's; the admin socket is private to the user (not mode 666).
+- No fallback to Serve's proxy (the `backup` server): while no replica is up, a request gets that
+  503, never another server's answer or a proxy's 404.
+- `/health` and `/ready` are answered by HAProxy itself, outside the replicas' request queues: 200
+  while a replica passes HAProxy's health checks, else the 503 "starting" JSON with Retry-After;
+  before the app exists, every path gets that 503 instead of a 404.
 HAProxy gets SIGKILL when the process that started it dies (a parent-death signal), so it never
 outlives its server and keeps a port.
 """
@@ -29,17 +34,52 @@ _REUSE = re.compile(r"^([ \t]*http-reuse )\w+[ \t]*$", re.MULTILINE)
 _ADMIN_SOCKET_MODE = re.compile(r"^([ \t]*stats socket \S+ mode )\d+", re.MULTILINE)
 _ERRORFILE = re.compile(r"^[ \t]*errorfile 50[234] \S+[ \t]*\n", re.MULTILINE)
 _DEFAULTS = re.compile(r"^defaults[ \t]*\n", re.MULTILINE)
+_BACKUP_SERVER = re.compile(r"^[ \t]*server (\S+) \S+ check backup[ \t]*\n", re.MULTILINE)
+_BACKEND = re.compile(r"^backend (\S+)[ \t]*$", re.MULTILINE)
+_FRONTEND_BIND_LINE = re.compile(r"^frontend http_frontend\n[ \t]*bind [^\n]*\n", re.MULTILINE)
+_DEFAULT_BACKEND_404 = re.compile(r"^(backend default_backend\n)[ \t]*http-request return status 404 [^\n]*\n",
+                                  re.MULTILINE)
 UNAVAILABLE_FILE = "k3ray-unavailable.http"
+STARTING_FILE = "k3ray-starting.json"
+PROBE_PATHS = ("/health", "/ready")
+STARTING_BODY = {"error": {"message": "no replica of the model is ready yet (starting, or being replaced); retry shortly",
+                           "type": "service_unavailable", "param": None, "code": "starting"}}
 PR_SET_PDEATHSIG = 1
 
 
-def k3ray_config(config: str, unavailable_page: str | None = None) -> str:
+def k3ray_config(config: str, unavailable_page: str | None = None, starting_page: str | None = None) -> str:
     """Serve's config with k3ray's changes; `unavailable_page`: the path of the file HAProxy answers
-    its own 502/503/504 with (unavailable_response())."""
+    its own 502/503/504 with (unavailable_response()); `starting_page`: the JSON body of a 503 from
+    the probes before a replica is ready."""
     config = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", _REUSE.sub(r"\1never", bind_like_frontend(config)))
+    config = without_fallback(config)
     if unavailable_page is not None:
         lines = "".join(f"    errorfile {status} {unavailable_page}\n" for status in (502, 503, 504))
         config = _DEFAULTS.sub(lambda m: m.group() + lines, _ERRORFILE.sub("", config), count=1)
+    if starting_page is not None:
+        config = with_probes(config, starting_page)
+    return config
+
+
+def without_fallback(config: str) -> str:
+    """The config less Serve's fallback `server ... backup` lines (and any line naming them)."""
+    for name in _BACKUP_SERVER.findall(config):
+        config = re.sub(rf"^[ \t]*(server|use-server) {re.escape(name)} [^\n]*\n", "", config, flags=re.MULTILINE)
+    return config
+
+
+def with_probes(config: str, starting_page: str) -> str:
+    """HAProxy answers /health and /ready from its own view of the replicas (any server UP in an
+    app backend), and, while no app exists, every path with the starting 503."""
+    apps = [b for b in _BACKEND.findall(config) if b != "default_backend" and not b.endswith("-via-ingress-request-router")]
+    starting = f"http-request return status 503 content-type application/json file {starting_page} hdr Retry-After 1"
+    rules = [f"    acl k3ray_probe path {' '.join(PROBE_PATHS)}\n"]
+    rules += [f"    http-request return status 200 content-type text/plain string ok if k3ray_probe {{ nbsrv({b}) ge 1 }}\n"
+              for b in apps]
+    rules.append(f"    {starting} if k3ray_probe\n")
+    config = _FRONTEND_BIND_LINE.sub(lambda m: m.group() + "".join(rules), config, count=1)
+    if not apps:
+        config = _DEFAULT_BACKEND_404.sub(lambda m: f"{m.group(1)}    {starting}\n", config, count=1)
     return config
 
 
@@ -71,12 +111,15 @@ def _config_path(argv: list[str]) -> str | None:
 
 
 def _rewrite(path: str) -> None:
-    page = os.path.join(os.path.dirname(os.path.abspath(path)), UNAVAILABLE_FILE)
+    folder = os.path.dirname(os.path.abspath(path))
+    page, starting = os.path.join(folder, UNAVAILABLE_FILE), os.path.join(folder, STARTING_FILE)
     with open(page, "wb") as f:
         f.write(unavailable_response())
+    with open(starting, "w") as f:
+        json.dump(STARTING_BODY, f)
     with open(path) as f:
         config = f.read()
-    rewritten = k3ray_config(config, page)
+    rewritten = k3ray_config(config, page, starting)
     if rewritten != config:
         temporary = f"{path}.k3ray"
         with open(temporary, "w") as f:

@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k3ray.actors.openai_errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no key
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
 
 
 class APIKeyMiddleware:

@@ -94,11 +94,12 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
         }
 
     @app.get("/health")
+    @app.get("/ready")  # the replica answers once it is up (HAProxy answers both before that)
     async def health_route() -> Response:
         ok, detail = (True, "") if health is None else await health()
         if not ok:
-            raise APIError(503, f"unhealthy: {detail}")
-        return Response(status_code=200, media_type="text/plain")
+            raise APIError(503, f"unhealthy: {detail}", None, "model_unavailable", {"Retry-After": "1"})
+        return Response("ok", media_type="text/plain")
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -110,8 +111,9 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
     return app
 
 
+_TEXT_OK = {"description": "healthy: `ok`", "content": {"text/plain": {"schema": {"type": "string"}}}}
 _TEXT_ANSWERS = {  # the 200s that are no JSON
-    "/health": {"description": "healthy (an empty body)", "content": {"text/plain": {"schema": {"type": "string"}}}},
+    "/health": _TEXT_OK, "/ready": _TEXT_OK,
     "/metrics": {"description": "Prometheus text exposition format",
                  "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
 }

@@ -28,7 +28,8 @@ INGRESS_MODES: tuple[str, ...] = get_args(Ingress)
 LOOPBACK = "127.0.0.1"
 PROXY_READY_S = "60"
 START_ATTEMPTS = 3
-DRAIN_S = "2"  # a stopping replica's hold-open for HAProxy to drop it (Ray's default 30 is for cloud LBs)
+DRAIN_S = "2"
+CHECK_INTER = "1s"  # a stopping replica's hold-open for HAProxy to drop it (Ray's default 30 is for cloud LBs)
 
 
 def ingress_environment(ingress: str) -> dict[str, str]:
@@ -39,7 +40,9 @@ def ingress_environment(ingress: str) -> dict[str, str]:
         return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy_wrapper(),
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": os.environ.get(
-               "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", DRAIN_S)}
+               "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", DRAIN_S),
+           # HAProxy answers /health and /ready from its checks of the replicas: every second, not 5
+           "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": os.environ.get("RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER", CHECK_INTER)}
     # HAProxy's stats and Prometheus ports are fixed (8404, 9101) unless set: a second server on
     # the machine would fail to start, so unset ones get free ports
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):

@@ -34,6 +34,22 @@ def server(serve_app, tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
+def queue_server(server, serve_app, tiny_checkpoint):
+    """A second app on the same Serve: room for 8 requests per replica, but an engine that runs one
+    sequence at a time and a queue of at most 16 prompt tokens."""
+    from ray import serve
+
+    url = serve_app(
+        {"model": {"model": tiny_checkpoint},
+         "server": {"served_model_name": MODEL, "api_key": KEY, "max_ongoing_requests": 8, "max_queued_tokens": 16,
+                    "retry_after_s": 2},
+         "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 1}},
+        port=int(server.rsplit(":", 1)[1]), name="k3ray-queue", route_prefix="/queue")
+    yield url
+    serve.delete("k3ray-queue")
+
+
+@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server, headers=AUTH, timeout=120) as client:
         yield client
@@ -63,6 +79,8 @@ def test_api_key(server, http):
     assert httpx.get(f"{server}/health").status_code == 200  # probes need no key
     assert httpx.get(f"{server}/metrics").status_code == 200
     assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200  # any case
+    error_of(httpx.get(f"{server}/v1/models", headers={"Authorization": f"Basic {KEY}"}), 401)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
 
@@ -100,6 +118,9 @@ def test_unknown_model_route_and_method(server, http):
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}}, "response_format"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"temperature": float("nan")}, "temperature"),
+    # strict types: no bool or string coerced to a number
+    ({"max_tokens": "3"}, "max_tokens"), ({"max_tokens": True}, "max_tokens"), ({"prompt": [True, 1]}, "prompt"),
+    ({"n": True}, "n"), ({"temperature": "0.5"}, "temperature"), ({"seed": False}, "seed"),
 ])
 def test_bad_completion_parameters(http, fields, param):
     body = json.dumps({"model": MODEL, "prompt": "hi", **fields}).encode()  # NaN is sent as the literal NaN
@@ -133,8 +154,24 @@ def test_bad_chat_requests(http, fields, param):
         assert "image_url" in body["message"] and "not supported" in body["message"]
 
 
+def test_openapi_states_every_answer(http):
+    doc = http.get("/openapi.json").json()
+    error_schema = {"$ref": "#/components/schemas/ErrorBody"}
+    for path, operations in doc["paths"].items():
+        for operation in operations.values():
+            answers = operation["responses"]
+            assert "422" not in answers, path  # a failed validation answers 400
+            for status in ("400", "401", "404", "413", "429", "503"):
+                assert answers[status]["content"]["application/json"]["schema"] == error_schema, (path, status)
+    assert set(doc["paths"]["/health"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    (metrics_type,) = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert metrics_type.startswith("text/plain") and http.get("/metrics").headers["content-type"] == metrics_type
+    assert http.get("/health").headers["content-type"].startswith("text/plain")
+
+
 def test_tokenizer_routes_reject_bad_input(http):
     error_of(http.post("/tokenize", json={}), 400)
+    error_of(http.post("/detokenize", json={"tokens": [True]}), 400)
     error_of(http.post("/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]}), 400)
     error_of(http.post("/detokenize", json={"tokens": [10**6]}), 400)
     error_of(http.post("/detokenize", json={"tokens": "abc"}), 400)
@@ -192,6 +229,37 @@ def test_overload_answers_429_with_retry_after(server, http):
     assert all(r.headers["retry-after"] == "2" for r in results if r.status_code == 429)
 
 
+def test_a_queue_full_of_prompt_tokens_answers_429_at_once(queue_server):
+    """One stream holds the engine's only sequence; of two 10-token requests behind it, the first
+    waits in the replica's queue and the second would take it past 16 tokens: a fast 429."""
+    resp, client = hold_a_stream(queue_server)
+    results: dict[int, tuple[httpx.Response, float]] = {}
+
+    def call(i: int) -> None:
+        t0 = time.monotonic()
+        r = httpx.post(f"{queue_server}/v1/completions", headers=AUTH, timeout=120,
+                       json={"model": MODEL, "prompt": "x" * 10, "max_tokens": 2})
+        results[i] = (r, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not results:
+            assert time.monotonic() < deadline, "neither request was answered while the stream ran"
+            time.sleep(0.05)
+        ((refused, took),) = results.values()
+        assert error_of(refused, 429)["code"] == "queue_full" and refused.headers["retry-after"] == "2"
+        assert took < 5, took
+    finally:
+        resp.close()
+        client.close()
+        for t in threads:
+            t.join(timeout=120)
+    assert sorted(r.status_code for r, _ in results.values()) == [200, 429]
+
+
 ABORTED = 'k3ray:request_success_total{finished_reason="abort"}'
 
 
@@ -236,7 +304,7 @@ def test_a_dead_engine_process_fails_health_then_serve_replaces_the_replica(serv
         for proc in psutil.process_iter(["cmdline"]):
             if "k3ray.engine.engine_core_proc" in " ".join(proc.info["cmdline"] or []):
                 parent = proc.parent()
-                if parent is not None and "ServeReplica" in " ".join(parent.cmdline()):
+                if parent is not None and "ServeReplica:k3ray:K3Server" in " ".join(parent.cmdline()):
                     found.append(proc)
         return found
 
@@ -246,8 +314,14 @@ def test_a_dead_engine_process_fails_health_then_serve_replaces_the_replica(serv
     while (resp := httpx.get(f"{server}/health", timeout=30)).status_code == 200:
         assert time.monotonic() < deadline, "the dead engine process never showed in /health"
         time.sleep(0.2)
-    if resp.status_code == 503 and resp.headers.get("content-type", "").startswith("application/json"):
+    # the app names the dead engine; HAProxy, which answers /health from its checks, says retry
+    assert error_of(resp, 503)["code"] in ("model_unavailable", "starting") and resp.headers["retry-after"]
+    if error_of(resp, 503)["code"] == "model_unavailable":
         assert "engine process" in error_of(resp, 503)["message"]
+    # a request meanwhile: a 503 that says retry, with an OpenAI body (the app's, or HAProxy's page once
+    # the replica is out), never a 500
+    dead = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=60, json={"model": MODEL, "prompt": "x"})
+    assert error_of(dead, 503)["type"] == "service_unavailable" and int(dead.headers["retry-after"]) >= 1
     deadline = time.monotonic() + 240
     while True:
         try:

@@ -51,6 +51,57 @@ def test_ipv6_loopback_and_a_config_without_the_http_frontend():
     assert k3ray_config("global\n    maxconn 10\n") == "global\n    maxconn 10\n"
 
 
+SERVE_PARTS = """\
+global
+    stats socket /tmp/k3serve-1-x/h/admin.sock mode 666 level admin expose-fd listeners
+defaults
+    mode http
+    errorfile 502 /tmp/e.http
+    errorfile 503 /tmp/e.http
+    errorfile 504 /tmp/e.http
+frontend http_frontend
+    bind 127.0.0.1:8000
+    default_backend default_backend
+backend default_backend
+    http-request return status 404 content-type text/plain lf-string "Path not found"
+"""
+APP_BACKEND = """\
+backend http-k3ray
+    server SERVE_REPLICA_k3ray-K3Server-x 127.0.0.1:31234 check
+    server SERVE_PROXY_ACTOR-fallback-abc 127.0.0.1:8500 check backup
+"""
+
+
+def test_private_admin_socket_json_error_pages_and_no_fallback():
+    out = k3ray_config(SERVE_PARTS + APP_BACKEND, "/run/u.http", "/run/s.json")
+    assert "stats socket /tmp/k3serve-1-x/h/admin.sock mode 600 level admin" in out
+    assert [line.split()[1:] for line in out.splitlines() if "errorfile" in line] == [
+        ["502", "/run/u.http"], ["503", "/run/u.http"], ["504", "/run/u.http"]]
+    assert "backup" not in out and "8500" not in out and "127.0.0.1:31234 check" in out
+    # /health and /ready from HAProxy's own view of the replicas; the starting 503 otherwise
+    assert "if k3ray_probe { nbsrv(http-k3ray) ge 1 }" in out
+    assert out.index("acl k3ray_probe path /health /ready") < out.index("default_backend default_backend")
+    assert "status 404" in out  # an app exists: unknown paths stay 404
+    assert k3ray_config(out, "/run/u.http", "/run/s.json").count("errorfile") == 3
+
+
+def test_before_the_app_exists_every_path_is_the_starting_503():
+    out = k3ray_config(SERVE_PARTS, "/run/u.http", "/run/s.json")
+    assert "status 404" not in out and "nbsrv" not in out
+    starting = "http-request return status 503 content-type application/json file /run/s.json hdr Retry-After 1"
+    assert f"    {starting} if k3ray_probe\n" in out and f"backend default_backend\n    {starting}\n" in out
+
+
+def test_the_error_pages_are_raw_http_with_an_openai_body():
+    import json
+
+    from k3ray.actors.haproxy_wrapper import unavailable_response
+
+    head, body = unavailable_response().decode().split("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 503 ") and "\r\nRetry-After: 1\r\n" in head
+    assert f"Content-Length: {len(body)}" in head and json.loads(body)["error"]["type"] == "service_unavailable"
+
+
 def test_config_path_is_the_value_of_dash_f():
     assert _config_path(["-db", "-f", "/tmp/x/haproxy.cfg", "-dR", "-sf", "12"]) == "/tmp/x/haproxy.cfg"
     assert _config_path(["-v"]) is None

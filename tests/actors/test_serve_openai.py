@@ -221,7 +221,7 @@ def test_health_and_ready_answer_in_under_100_ms_while_64_streams_run(server):
         return int(out[0]), float(out[1])
 
     async def stream(http: httpx.AsyncClient) -> None:
-        body = {"prompt": "load", "max_tokens": 16, "ignore_eos": True, "stream": True}
+        body = {"prompt": "load", "max_tokens": 64, "ignore_eos": True, "stream": True}
         async with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             async for _ in r.aiter_lines():
@@ -231,7 +231,7 @@ def test_health_and_ready_answer_in_under_100_ms_while_64_streams_run(server):
         limits = httpx.Limits(max_connections=PROBE_STREAMS)
         async with httpx.AsyncClient(base_url=server, timeout=600, limits=limits) as http:
             tasks = [asyncio.create_task(stream(http)) for _ in range(PROBE_STREAMS)]
-            await asyncio.sleep(3)  # every stream is in: running or queued
+            await asyncio.sleep(1)  # every stream is in: running or queued
             probes = [await asyncio.to_thread(probe, path) for _ in range(10) for path in ("/health", "/ready")]
             still_running = sum(not t.done() for t in tasks)
             await asyncio.gather(*tasks)
@@ -239,7 +239,7 @@ def test_health_and_ready_answer_in_under_100_ms_while_64_streams_run(server):
 
     probes, still_running = asyncio.run(under_load())
     print(f"/health and /ready under {PROBE_STREAMS} streams: max {max(t for _, t in probes) * 1000:.1f} ms")
-    assert still_running > PROBE_STREAMS // 2, still_running  # the probes ran under the load
+    assert still_running > 8, still_running  # the probes ran with the replica full and requests queued
     assert all(code == 200 for code, _ in probes), probes
     assert max(t for _, t in probes) < 0.1, probes
 

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(600)
 MODEL = "k3-vision"
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 12
+MAX_REQUEST_PIXELS = 2**26  # decoded pixels per request: two 5000 x 5000 frames, not three
 
 
 
@@ -71,7 +72,8 @@ def text_part(text: str) -> dict:
 def server(serve_app, tiny_checkpoint):
     return serve_app(
         {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
-         "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 8}}
+         "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 8},
+         "media": {"max_request_pixels": MAX_REQUEST_PIXELS}}
     )
 
 
@@ -183,6 +185,29 @@ def test_too_long_with_its_image_is_a_context_error(http):
     messages = user(*[image_part(data_url(png(big)))] * 6, text_part("?"))
     body = error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}))
     assert body["code"] == "context_length_exceeded"
+
+
+def replica_rss_mb() -> float:
+    import psutil
+
+    (replica,) = [p for p in psutil.process_iter(["cmdline"])
+                  if "ServeReplica:k3ray:K3Server" in " ".join(p.info["cmdline"] or [])]
+    return replica.memory_info().rss / 2**20
+
+
+def test_a_frame_list_over_the_pixel_budget_is_a_400_and_memory_stays_flat(http):
+    """Four 5000 x 5000 frames (each under the per-image limit, tiny as PNGs): the third would pass
+    the request's pixel budget, so it is refused before it is decoded, and the replica holds at most
+    one decoded frame at a time (all four at once took ~300 MB here before)."""
+    frame = png(Image.new("RGB", (5000, 5000), (40, 90, 160)))
+    video = {"type": "video_url", "video_url": {"url": [data_url(frame)] * 4}}
+    before = replica_rss_mb()
+    for _ in range(2):
+        body = error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": user(text_part("?"), video)}))
+        assert body["param"] == "messages[0].content[1]" and str(MAX_REQUEST_PIXELS) in body["message"]
+    grown = replica_rss_mb() - before
+    print(f"replica RSS {before:.0f} MB before, {grown:+.0f} MB after two refused 4-frame videos")
+    assert grown < 150, grown
 
 
 def in_process_app(checkpoint: str, **engine_kw):
