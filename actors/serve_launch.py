@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import get_args
 
@@ -116,9 +117,31 @@ def stop(owns_ray: bool = True, name: str = APP_NAME) -> None:
     if not ray.is_initialized():
         return
     if owns_ray:
-        serve.shutdown()
+        shutdown_serve()
     else:
         serve.delete(name)
     ray.shutdown()
     if owns_ray:
         remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
+
+
+def shutdown_serve(timeout_s: float = 60.0) -> None:
+    """serve.shutdown() without its never-answered call: Serve waits on a controller task that ends
+    only when the controller kills itself, so Ray logged `graceful_shutdown failed ... killed by
+    ray.kill` on every clean stop. The controller is asked to shut down without that wait, and this
+    waits for it (replicas, proxies, then itself) to be gone."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    from ray.serve.context import _disconnect, _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return
+    ray.get(client._controller.graceful_shutdown.remote(wait=False))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:  # the controller is gone: everything it ran is stopped
+            break
+        time.sleep(0.2)
+    _disconnect()

@@ -111,7 +111,6 @@ def serve_app():
     (a free port unless given). Ray is started for the module if needed; Serve and that Ray are
     shut down after it."""
     import ray
-    from ray import serve
 
     from k3ray.actors import serve_launch
 
@@ -125,6 +124,6 @@ def serve_app():
     try:
         yield deploy
     finally:
-        serve.shutdown()
+        serve_launch.shutdown_serve()
         if started:
             ray.shutdown()

@@ -128,6 +128,7 @@ def ctrl_c_stops_everything(proc, log_path, tree: list[psutil.Process]) -> None:
     assert tree, "Ray's processes should be children of the command"
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    assert "graceful_shutdown failed" not in log_path.read_text()  # a clean stop logs no killed task
     _, alive = psutil.wait_procs(tree, timeout=60)
     assert not alive, [p.info for p in alive if p.is_running()]
 
