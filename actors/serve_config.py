@@ -50,6 +50,10 @@ class ModelSettings(Settings):
     model: str | None = Field(
         None, description="checkpoint directory, visible on every node; null = the tiny K3, made on first use")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and activations")
+    device: str = Field(
+        "auto", description="where an undistributed replica's model, caches and sampling run: auto (CUDA when the "
+        "replica has a GPU, see --replica-gpus), cpu, cuda, cuda:N; pipeline and expert actors use the GPUs Ray gives "
+        "them (--stage-gpus, --shard-gpus)")
     tokenizer: str | None = Field(
         None, description="tokenizer directory, for a checkpoint that holds none; null = the checkpoint's own")
 
@@ -87,6 +91,7 @@ class EngineSettings(Settings):
         None, gt=0, description="cache memory per replica; null = the engine's default")
     enable_prefix_caching: bool = Field(True, description="reuse the cache of a shared prompt prefix")
     speculative_ngram: int = Field(0, ge=0, description="draft tokens per step by n-gram lookup; 0 = off")
+    enforce_eager: bool = Field(False, description="no CUDA graphs: decode steps run eagerly (on the CPU they always do)")
     seed: int = Field(0, description="sampling seed of requests without their own")
     threads: int | None = Field(
         None, ge=1, description="torch CPU threads of the replica's model; null = 1 on a machine with <= 4 cores, "

@@ -25,7 +25,7 @@ def engine_config(args: ServeArgs) -> EngineConfig:
     return EngineConfig(
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
         max_model_len=e.max_model_len, block_size=e.block_size, cache_memory_bytes=cache_bytes,
-        enable_prefix_caching=e.enable_prefix_caching, speculative=spec, seed=e.seed,
+        enable_prefix_caching=e.enable_prefix_caching, speculative=spec, seed=e.seed, enforce_eager=e.enforce_eager,
     )
 
 
@@ -46,6 +46,7 @@ def multimodal_config(args: ServeArgs, vision: VisionConfig) -> MultiModalConfig
 
 def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Executor]:
     """args must be resolved (a checkpoint path). The model's cache is allocated here."""
+    from k3ray.device import resolve_device
     from k3ray.tokenizer import load_tokenizer
     from k3ray.vision import has_vision_weights, load_vision
     from k3ray.weights import load_model
@@ -65,10 +66,11 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
         if executor.has_vision:
             vision_encoder = executor.encode_media
     else:
-        model = load_model(path, dtype=dtype)
-        executor = LocalExecutor(model)
+        device = resolve_device(args.model.device)
+        model = load_model(path, dtype=dtype, device=device)
+        executor = LocalExecutor(model)  # on its model's device
         if model.config.vision is not None and has_vision_weights(path):
-            vision_encoder = local_vision_encoder(load_vision(path, dtype))
+            vision_encoder = local_vision_encoder(load_vision(path, dtype, device))
     vision = executor.cache_layout()[0][0].vision
     multimodal = multimodal_config(args, vision) if vision_encoder is not None else None
     try:
