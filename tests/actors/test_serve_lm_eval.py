@@ -77,16 +77,23 @@ def tasks_dir(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def results(server, tasks_dir):
+def evaluate(server, tasks_dir, model: str, route: str, model_args: str, tasks: list[str], **kwargs) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    model_args = (f"model={MODEL},base_url={server}/v1/completions,tokenizer_backend=remote,"
-                  "tokenized_requests=True,num_concurrent=2,batch_size=2,max_retries=1,timeout=120,max_length=1024")
-    return simple_evaluate(model="local-completions", model_args=model_args, tasks=["k3ray_mc", "k3ray_gen"],
+    model_args = f"model={MODEL},base_url={server}{route},max_retries=1,timeout=120,{model_args}"
+    return simple_evaluate(model=model, model_args=model_args, tasks=tasks,
                            task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True,
-                           random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+                           random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0, **kwargs)
+
+
+COMPLETIONS = "tokenized_requests=True,num_concurrent=2,batch_size=2,max_length=1024"
+
+
+@pytest.fixture(scope="module")
+def results(server, tasks_dir):
+    return evaluate(server, tasks_dir, "local-completions", "/v1/completions",
+                    f"tokenizer_backend=remote,{COMPLETIONS}", ["k3ray_mc", "k3ray_gen"])
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +136,34 @@ def test_generate_until_task_matches_greedy_generation(results, k3):
         assert sample["resps"][0][0] == want
         matches += want == sample["doc"]["answer"]
     assert results["results"]["k3ray_gen"]["exact_match,none"] == pytest.approx(matches / len(GEN_DOCS))
+
+
+def responses(results: dict, task: str) -> list:
+    return [sample["resps"] for sample in sorted(results["samples"][task], key=lambda sample: sample["doc_id"])]
+
+
+def test_a_hugging_face_tokenizer_on_the_client_gives_the_same_scores(server, tasks_dir, tiny_checkpoint, results):
+    """`tokenizer_backend=huggingface`: AutoTokenizer loads the checkpoint's tokenizer.json and tokenizes
+    the requests on the client, as vLLM's clients do; every request and score is the remote one's."""
+    hf = evaluate(server, tasks_dir, "local-completions", "/v1/completions",
+                  f"tokenizer_backend=huggingface,tokenizer={tiny_checkpoint},{COMPLETIONS}", ["k3ray_mc", "k3ray_gen"])
+    for ours, remote in zip(responses(hf, "k3ray_mc"), responses(results, "k3ray_mc"), strict=True):
+        assert [bool(r[0][1]) for r in ours] == [bool(r[0][1]) for r in remote]  # the same requests, batched
+        assert [float(r[0][0]) for r in ours] == pytest.approx([float(r[0][0]) for r in remote], abs=LOGPROB_ATOL)
+    assert responses(hf, "k3ray_gen") == responses(results, "k3ray_gen")
+    for task, metric in (("k3ray_mc", "acc,none"), ("k3ray_gen", "exact_match,none")):
+        assert hf["results"][task][metric] == results["results"][task][metric]
+
+
+def test_chat_completions_equal_completions_of_the_hugging_face_chat_template(server, tasks_dir, tiny_checkpoint):
+    """`local-chat-completions` (the server renders the chat) and `local-completions` with the prompt
+    rendered on the client by the tokenizer's chat template give the same greedy answers."""
+    chat = evaluate(server, tasks_dir, "local-chat-completions", "/v1/chat/completions", "num_concurrent=2",
+                    ["k3ray_gen"], apply_chat_template=True)
+    client_rendered = evaluate(server, tasks_dir, "local-completions", "/v1/completions",
+                               f"tokenizer_backend=huggingface,tokenizer={tiny_checkpoint},{COMPLETIONS}",
+                               ["k3ray_gen"], apply_chat_template=True)
+    assert len(responses(chat, "k3ray_gen")) == len(GEN_DOCS)
+    assert responses(chat, "k3ray_gen") == responses(client_rendered, "k3ray_gen")
+    metric = "exact_match,none"
+    assert chat["results"]["k3ray_gen"][metric] == client_rendered["results"]["k3ray_gen"][metric]
