@@ -16,6 +16,7 @@ from typing import get_args
 
 import ray
 from ray import serve
+from ray._private import ray_constants
 
 from k3ray.actors.ray_connect import connect  # ray.init off the repository root
 from k3ray.actors.serve_app import build_app
@@ -77,6 +78,9 @@ def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init
         # node address 127.0.0.1: every connection stays on loopback, Ray's agents and exporters
         # bind to it (not 0.0.0.0)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        # Ray read that variable when it was imported (before this call, in `k3ray serve`): without
+        # this its node address was the machine's and its agents listened on every interface
+        ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
         # Serve's 5 s for its proxy (HAProxy) to come up killed it on a busy machine
         os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_S)
         _start_local({"include_dashboard": False, "_node_ip_address": LOOPBACK, **init_kwargs})

@@ -77,6 +77,35 @@ def test_bad_flags_fail_before_starting_anything():
         serve_cmd.main(parse(["--pipeline", "0"]))
 
 
+def checkpoint_without_tokenizer(checkpoint: str, into: pathlib.Path) -> str:
+    into.mkdir()
+    for f in pathlib.Path(checkpoint).iterdir():
+        if f.name == "config.json" or ".safetensors" in f.name:
+            (into / f.name).symlink_to(f)
+    return str(into)
+
+
+@pytest.mark.parametrize("case", ["no checkpoint", "no tokenizer", "layout too large"])
+def test_bad_checkpoint_or_layout_fails_fast_in_one_line(tiny_checkpoint, tmp_path, case):
+    """Found before Ray or Serve start: the command exits with one `k3ray serve: error:` line in seconds
+    (it used to start Serve and crash minutes later, or wait forever for resources)."""
+    flags, words = {
+        "no checkpoint": (["--model", "/does/not/exist"], "is not a directory"),
+        "no tokenizer": (["--model", checkpoint_without_tokenizer(tiny_checkpoint, tmp_path / "ckpt")], "no tokenizer"),
+        "layout too large": (["--model", tiny_checkpoint, "--pipeline", "2", "--expert-parallel", "2", "--num-cpus", "2"],
+                             "CPUs, but 2 are available"),
+    }[case]
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "k3ray.cli", "serve", *flags], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    took = time.monotonic() - t0
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith("k3ray serve: error: ") and words in lines[0], lines[0]
+    assert took < 10, took
+    assert "ray" not in out.stdout.lower()  # nothing was started
+
+
 def test_command_module_does_not_import_ray(tmp_path):
     code = "import sys, k3ray.actors.serve_cli; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)  # off the repository root
@@ -141,25 +170,38 @@ def haproxy_listeners(root: psutil.Process) -> list[str]:
             if c.status == psutil.CONN_LISTEN]
 
 
+def non_loopback_listeners(root: psutil.Process) -> list[str]:
+    """`process name host:port` of every listening TCP socket under `root` that is not on loopback
+    (an IPv4-mapped ::ffff:127.0.0.1 is loopback), and how many listeners there are in all."""
+    found, count = [], 0
+    for p in root.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            for c in p.net_connections("tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    count += 1
+                    if c.laddr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
+                        found.append(f"{' '.join(p.cmdline())[:40]} {c.laddr.ip}:{c.laddr.port}")
+    assert count, "no listener under the command"
+    return found
+
+
 @pytest.mark.parametrize("ingress", ["haproxy", "proxy"])
 def test_k3ray_serve_runs_until_ctrl_c_and_leaves_nothing(tiny_checkpoint, tmp_path, ingress):
     with serve_command(tiny_checkpoint, tmp_path, "--ingress", ingress) as (proc, url, log_path, tree):
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "k3ray serve did not come up"
-            time.sleep(1)
+        wait_until_serving(proc, url, log_path)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         if ingress == "haproxy":  # the API port and HAProxy's stats / Prometheus ports, all on loopback
             listeners = haproxy_listeners(psutil.Process(proc.pid))
             assert url.removeprefix("http://") in listeners and len(listeners) >= 3, listeners
             assert all(address.startswith("127.0.0.1:") for address in listeners), listeners
+            (admin,) = pathlib.Path("/tmp").glob(f"k3serve-{proc.pid}-*/*/admin.sock")
+            assert admin.stat().st_mode & 0o077 == 0, oct(admin.stat().st_mode)  # private to the user
+        # Ray's own listeners (GCS, raylet, agents, metrics exporters) are on loopback too, but for the
+        # replica's inter-deployment gRPC server, which Serve 2.60 binds to [::]:0 itself (replica.py)
+        outside = non_loopback_listeners(psutil.Process(proc.pid))
+        serve_grpc = [a for a in outside if a.startswith("ray::ServeReplica") and " :::" in a]
+        assert len(serve_grpc) <= 1 and not set(outside) - set(serve_grpc), outside
         ctrl_c_stops_everything(proc, log_path, tree)
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/v1/models", timeout=5)
@@ -173,3 +215,69 @@ def test_ctrl_c_while_deploying_still_stops_everything(tiny_checkpoint, tmp_path
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.2)
         ctrl_c_stops_everything(proc, log_path, tree)
+
+
+def wait_until_serving(proc, url: str, log_path, key: str | None = None, timeout_s: float = 300) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/v1/models", headers=headers, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "k3ray serve did not come up"
+        time.sleep(1)
+
+
+def replica_of(root: psutil.Process) -> psutil.Process:
+    (replica,) = [p for p in root.children(recursive=True) if "ServeReplica:k3ray:K3Server" in " ".join(p.cmdline())]
+    return replica
+
+
+@pytest.mark.slow
+def test_two_servers_on_one_host_never_answer_for_each_other(tiny_checkpoint, tmp_path):
+    """Two `k3ray serve` on one machine, each with its own key: neither answers for the other, not
+    while one has no replica (its HAProxy says 503, it has no fallback into the other's proxy) and not
+    after one is SIGKILLed (its HAProxy dies with it, the port goes quiet, its runtime folder is
+    removed). Two Ray instances: about 3 minutes here, so `slow`."""
+    from k3ray.actors.serve_isolation import RUNTIME_PREFIX, RUNTIME_ROOT, remove_stale_runtime_dirs
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with serve_command(tiny_checkpoint, tmp_path / "a", "--api-key", "key-a") as (a, url_a, log_a, tree_a), \
+            serve_command(tiny_checkpoint, tmp_path / "b", "--api-key", "key-b") as (b, url_b, log_b, tree_b):
+        wait_until_serving(a, url_a, log_a, "key-a")
+        wait_until_serving(b, url_b, log_b, "key-b")
+
+        def status(url: str, key: str) -> int:
+            return httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+
+        assert (status(url_a, "key-b"), status(url_b, "key-a")) == (401, 401)
+        # A without a replica: its clients get A's 503 (retry), never B's 401 or B's completions
+        replica_of(psutil.Process(a.pid)).kill()
+        answers, deadline = set(), time.monotonic() + 120
+        while status(url_a, "key-a") != 200:
+            r = httpx.get(f"{url_a}/v1/models", headers={"Authorization": "Bearer key-b"}, timeout=30)
+            answers.add(r.status_code)
+            assert r.status_code in (401, 503), r.text  # 401: A's own app refusing B's key
+            if r.status_code == 503:
+                assert r.json()["error"]["type"] == "service_unavailable" and r.headers["retry-after"]
+            assert time.monotonic() < deadline, "A's replica was not replaced"
+            time.sleep(0.2)
+        # SIGKILL A: its whole tree, HAProxy included, goes with it; B is untouched
+        tree_a[:] = psutil.Process(a.pid).children(recursive=True)
+        haproxy_a = [p for p in tree_a if p.name() == "haproxy"]
+        assert haproxy_a, "no HAProxy under A"
+        a.kill()
+        a.wait(timeout=60)
+        _, alive = psutil.wait_procs(haproxy_a, timeout=60)
+        assert not alive, "A's HAProxy outlived it"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url_a}/v1/models", headers={"Authorization": "Bearer key-b"}, timeout=5)
+        assert status(url_b, "key-b") == 200
+        psutil.wait_procs([p for p in tree_a if p.is_running()], timeout=60)
+        stale = [str(p) for p in pathlib.Path(RUNTIME_ROOT).glob(f"{RUNTIME_PREFIX}{a.pid}-*")]
+        assert stale and set(remove_stale_runtime_dirs()) >= set(stale) and not any(os.path.exists(p) for p in stale)
+        print(f"isolation: A answered {sorted(answers)} to B's key while it had no replica")
