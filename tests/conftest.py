@@ -127,3 +127,26 @@ def serve_app():
         serve_launch.shutdown_serve()
         if started:
             ray.shutdown()
+
+
+@pytest.fixture
+def wait_until_serving():
+    """`wait_until_serving(process, url, log_path, timeout_s=300)`: until `url`/v1/models answers 200,
+    failing with the log's tail if the server process exits first or time runs out."""
+    import time
+
+    import httpx
+
+    def wait(process, url: str, log_path, timeout_s: float = 300, headers: dict | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/v1/models", headers=headers, timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"the server at {url} did not come up"
+            time.sleep(1)
+
+    return wait
