@@ -26,25 +26,34 @@ def safe_subchunk(g_min: float, chunk_size: int, max_sub: int = 16) -> int:
     return sub
 
 
+def suffix_products(decay: torch.Tensor) -> torch.Tensor:
+    """decay [..., R, K] -> [..., R, K] with row i = prod of decay over rows (i, R): exp(G_last - G_i)
+    as a running product (1 on the last row)."""
+    ones = torch.ones_like(decay[..., :1, :])
+    return torch.cat([decay[..., 1:, :].flip(-2).cumprod(-2).flip(-2), ones], -2)
+
+
 def intra_chunk(
-    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int
+    q: torch.Tensor, k: torch.Tensor, decay: torch.Tensor, sub: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decay-weighted products within each chunk, without the pairwise [C, C, K] exponent tensor.
 
-    q, k, G [..., C, K] (G is the in-chunk cumulative log decay; q already scaled) ->
+    q, k, decay [..., C, K] (decay = exp(g) per row; q already scaled) ->
     (A_kk [..., C, C] strictly lower, A_qk [..., C, C] lower incl. the diagonal), with
     A[r, i] = sum_c x_r[c] k_i[c] exp(G_r[c] - G_i[c]).
     Column block b uses the decay at its last row e as reference: exp(G_e - G_i) <= 1 for i in b,
-    exp(G_r - G_e) <= 1 for r after b, and <= exp(MAX_EXPONENT) for r inside b.
+    exp(G_r - G_e) <= 1 for r after b, and <= exp(MAX_EXPONENT) for r inside b. Both factors are
+    running products of exp(g) from e, so a pair's factor carries the rounding of the steps
+    between them, as the recurrence does, not that of a cumulative log decay far from zero.
     """
     C = q.shape[-2]
     A_kk = q.new_zeros(*q.shape[:-1], C)
     A_qk = q.new_zeros(*q.shape[:-1], C)
     for b0 in range(0, C, sub):
         e = b0 + sub - 1
-        ref = G[..., e : e + 1, :]  # [..., 1, K]
-        right = (k[..., b0 : e + 1, :] * (ref - G[..., b0 : e + 1, :]).exp()).transpose(-1, -2)  # [..., K, sub]
-        left = (G[..., b0:, :] - ref).exp()  # [..., C - b0, K]
+        to_ref = suffix_products(decay[..., b0 : e + 1, :])  # [..., sub, K] exp(G_e - G_i)
+        right = (k[..., b0 : e + 1, :] * to_ref).transpose(-1, -2)  # [..., K, sub]
+        left = torch.cat([to_ref.reciprocal(), decay[..., e + 1 :, :].cumprod(-2)], -2)  # [..., C - b0, K]
         A_kk[..., b0:, b0 : e + 1] = (k[..., b0:, :] * left) @ right
         A_qk[..., b0:, b0 : e + 1] = (q[..., b0:, :] * left) @ right
     rows = torch.arange(C, device=q.device)
@@ -83,18 +92,18 @@ def chunk_kda_cpu(
     qc, kc, vc, gc = (_to_chunks(x, lay.dest, NC, C) for x in (q, k, v, g))  # [NC, H, C, *]
     bc = _to_chunks(beta[..., None], lay.dest, NC, C)  # [NC, H, C, 1]
     qc = qc * scale
-    G = gc.cumsum(-2)
+    decay = gc.exp()  # exp(g); exp(G) and its ratios are running products of it
     sub = safe_subchunk(float(g.min()) if g.numel() else 0.0, C)
-    A_kk, A_qk = intra_chunk(qc, kc, G, sub)
+    A_kk, A_qk = intra_chunk(qc, kc, decay, sub)
     # (I + L) [W | U] = beta * [exp(G) k | v] with L = beta_r A_kk unit-lower-triangular
-    exp_G = G.exp()
+    exp_G = decay.cumprod(-2)
     rhs = bc * torch.cat([exp_G * kc, vc], -1)
     WU = torch.linalg.solve_triangular(bc * A_kk, rhs, upper=False, unitriangular=True)
     W, U = WU[..., :K], WU[..., K:]  # [NC, H, C, K], [NC, H, C, V]
 
-    G_last = G[..., -1:, :]  # [NC, H, 1, K]; padded rows keep G flat, so this is the last real row
-    k_decayed = ((G_last - G).exp() * kc).transpose(-1, -2)  # [NC, H, K, C]
-    decay_last = G_last.transpose(-1, -2).exp()  # [NC, H, K, 1]
+    # padded rows have decay 1, so the last row's exp(G) is the decay up to the last real row
+    k_decayed = (suffix_products(decay) * kc).transpose(-1, -2)  # [NC, H, K, C] exp(G_last - G) k
+    decay_last = exp_G[..., -1:, :].transpose(-1, -2)  # [NC, H, K, 1]
     S = q.new_zeros(N, H, K, V, dtype=torch.float32)
     if initial_state is not None:
         S.copy_(initial_state)
