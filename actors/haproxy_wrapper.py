@@ -14,6 +14,8 @@ then execs HAProxy with the same arguments:
 - `/health` and `/ready` are answered by HAProxy itself, outside the replicas' request queues: 200
   while a replica passes HAProxy's health checks, else the 503 "starting" JSON with Retry-After;
   before the app exists, every path gets that 503 instead of a 404.
+- `<route prefix>metrics` goes to the replicas' metrics listeners (metrics_listener.py), outside
+  their request queues, once one has announced its port in the server's runtime folder.
 HAProxy gets SIGKILL when the process that started it dies (a parent-death signal), so it never
 outlives its server and keeps a port.
 """
@@ -27,6 +29,9 @@ import re
 import signal
 import sys
 
+from k3ray.actors.metrics_listener import runtime_dir
+from k3ray.actors.serve_isolation import alive
+
 _FRONTEND_BIND = re.compile(r"^frontend http_frontend\n\s*bind (\S+):\d+\s*$", re.MULTILINE)
 _ANY_INTERFACE_BIND = re.compile(r"^(\s*bind )\*?:(\d+)", re.MULTILINE)
 _ALL_INTERFACES = ("*", "0.0.0.0", "::", "[::]")
@@ -37,8 +42,11 @@ _DEFAULTS = re.compile(r"^defaults[ \t]*\n", re.MULTILINE)
 _BACKUP_SERVER = re.compile(r"^[ \t]*server (\S+) \S+ check backup[ \t]*\n", re.MULTILINE)
 _BACKEND = re.compile(r"^backend (\S+)[ \t]*$", re.MULTILINE)
 _FRONTEND_BIND_LINE = re.compile(r"^frontend http_frontend\n[ \t]*bind [^\n]*\n", re.MULTILINE)
+_ROUTE_ACL = re.compile(r"^[ \t]*acl is_(\S+) path_beg (\S+)[ \t]*$", re.MULTILINE)
+_FIRST_ROUTE = re.compile(r"^[ \t]*(use_backend|default_backend) ", re.MULTILINE)
 _DEFAULT_BACKEND_404 = re.compile(r"^(backend default_backend\n)[ \t]*http-request return status 404 [^\n]*\n",
                                   re.MULTILINE)
+_PORT_FILE = re.compile(r"^metrics-(.+)-(\d+)\.port$")
 UNAVAILABLE_FILE = "k3ray-unavailable.http"
 STARTING_FILE = "k3ray-starting.json"
 PROBE_PATHS = ("/health", "/ready")
@@ -59,6 +67,38 @@ def k3ray_config(config: str, unavailable_page: str | None = None, starting_page
     if starting_page is not None:
         config = with_probes(config, starting_page)
     return config
+
+
+def with_metrics_listeners(config: str, listeners: dict[str, list[int]]) -> str:
+    """Route each app's `<prefix>metrics` to its replicas' metrics listeners ({app: [port, ...]}),
+    ahead of the app's own routes; an app without a listener keeps its /metrics route."""
+    backends, routes = [], []
+    for backend, prefix in _ROUTE_ACL.findall(config):
+        ports = listeners.get(backend.removeprefix("http-"), []) if backend.startswith("http-") else []
+        if not ports:
+            continue
+        name = f"k3ray-metrics-{backend}"
+        routes.append(f"    use_backend {name} if {{ path {prefix.rstrip('/')}/metrics }} {{ nbsrv({name}) ge 1 }}\n")
+        servers = "".join(f"    server metrics-{port} 127.0.0.1:{port} check\n" for port in sorted(ports))
+        backends.append(f"backend {name}\n    timeout connect 5s\n    timeout server 60s\n    option httpchk GET /metrics\n"
+                        f"    default-server inter 1s fall 2 rise 1\n{servers}")
+    first_route = _FIRST_ROUTE.search(config)
+    if not routes or first_route is None:
+        return config
+    at = first_route.start()
+    return config[:at] + "".join(routes) + config[at:].rstrip("\n") + "\n" + "".join(backends)
+
+
+def announced_listeners(folder: str) -> dict[str, list[int]]:
+    """{app: [port, ...]} of the metrics listeners whose replica process still runs."""
+    found: dict[str, list[int]] = {}
+    for name in os.listdir(folder):
+        match = _PORT_FILE.match(name)
+        if match is None or not alive(int(match.group(2))):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            found.setdefault(match.group(1), []).append(int(f.read().strip()))
+    return found
 
 
 def without_fallback(config: str) -> str:
@@ -120,6 +160,9 @@ def _rewrite(path: str) -> None:
     with open(path) as f:
         config = f.read()
     rewritten = k3ray_config(config, page, starting)
+    folder = runtime_dir()
+    if folder is not None:
+        rewritten = with_metrics_listeners(rewritten, announced_listeners(folder))
     if rewritten != config:
         temporary = f"{path}.k3ray"
         with open(temporary, "w") as f:

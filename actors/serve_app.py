@@ -23,6 +23,7 @@ from ray import serve
 from ray.serve import Application
 
 from k3ray.actors.admission import Admission
+from k3ray.actors.metrics_listener import MetricsListener, runtime_dir
 from k3ray.actors.openai_routes import build_openai_app
 from k3ray.actors.openai_serving import OpenAIServing
 from k3ray.actors.replica_bundles import replica_bundles
@@ -52,6 +53,9 @@ class K3Server:
             self.engine, tokenizer = AsyncEngine(engine), engine.tokenizer
         expert_load = getattr(self.executor, "expert_load", None)
         self.metrics = ServeMetrics(self.args.server.served_model_name, self.engine.get_stats, expert_load)
+        # under k3ray's HAProxy, /metrics is answered outside the request queue (metrics_listener.py)
+        self.metrics_listener = None if runtime_dir() is None else \
+            MetricsListener(self.metrics.render_now, serve.get_replica_context().app_name)
         server = self.args.server
         admission = Admission(server.max_queued_tokens or None, server.max_queue_wait_s or None, server.retry_after_s)
         self.serving = OpenAIServing(self.engine, tokenizer, server.served_model_name, self.metrics, admission)
@@ -84,6 +88,8 @@ class K3Server:
 
     async def __del__(self) -> None:
         """Serve stops the replica: end its requests, then its engine process or model actors."""
+        if getattr(self, "metrics_listener", None) is not None:
+            self.metrics_listener.close()
         if hasattr(self, "engine"):
             await self.engine.shutdown()
         shutdown = getattr(getattr(self, "executor", None), "shutdown", None)

@@ -62,13 +62,14 @@ def remove_stale_runtime_dirs(root: str | None = None) -> list[str]:
         path = os.path.join(root, name)
         if match is None or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
             continue
-        if not _alive(int(match.group(1))):
+        if not alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (as any user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -65,8 +65,11 @@ class ServeMetrics:
         self.finished.labels(finished_reason="abort", **self.labels).inc(count)
 
     async def render(self) -> tuple[bytes, str]:
-        load = await asyncio.to_thread(self._expert_load) if self._expert_load is not None else None
-        self._engine.expert_load = load
+        return await asyncio.to_thread(self.render_now)
+
+    def render_now(self) -> tuple[bytes, str]:
+        """The exposition text and its content type (blocking: a pipeline's expert load is fetched)."""
+        self._engine.expert_load = self._expert_load() if self._expert_load is not None else None
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

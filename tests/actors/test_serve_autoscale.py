@@ -123,3 +123,26 @@ def test_burst_scales_to_two_pipelines_and_back(cluster):
             if line.startswith("k3ray:expert_load_tokens_total{")]
     assert len(load) == 8 and sum(float(line.rsplit(" ", 1)[1]) for line in load) > 0  # the tiny model's 8 experts
     print(f"burst: {len(latencies)} requests of 8 tokens, mean latency {sum(latencies) / len(latencies):.2f}s")
+
+
+def test_a_dead_expert_shard_answers_503_with_retry_after_then_recovers(cluster):
+    """SIGKILL one expert shard of the pipeline: a request answers 503 with Retry-After and an
+    OpenAI error body (not a 500), and Serve's health check brings the pipeline back."""
+    import os
+    import signal
+
+    from ray.util.state import list_actors
+
+    url, gcs = cluster
+    (shard, *_) = list_actors(address=gcs, filters=[("class_name", "=", "ExpertShard"), ("state", "=", "ALIVE")])
+    os.kill(shard.pid, signal.SIGKILL)
+    body = {"prompt": "dead shard", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["type"] == "service_unavailable" and int(r.headers["retry-after"]) >= 1, r.text
+    deadline = time.monotonic() + 240
+    while httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code != 200:
+        assert time.monotonic() < deadline, "the pipeline did not come back"
+        time.sleep(1)
+    wait_for(lambda: alive_actors(gcs)["ExpertShard"] == 2, 120, "the replaced replica's shards")

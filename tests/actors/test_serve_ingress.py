@@ -92,6 +92,26 @@ def test_before_the_app_exists_every_path_is_the_starting_503():
     assert f"    {starting} if k3ray_probe\n" in out and f"backend default_backend\n    {starting}\n" in out
 
 
+def test_metrics_go_to_the_announced_listeners_before_the_app_routes(tmp_path):
+    import os
+
+    from k3ray.actors.haproxy_wrapper import announced_listeners, with_metrics_listeners
+
+    config = SERVE_PARTS.replace("    default_backend default_backend\n", "    acl is_http-k3ray path_beg /\n"
+                                 "    use_backend http-k3ray if is_http-k3ray\n    default_backend default_backend\n")
+    config += APP_BACKEND
+    (tmp_path / f"metrics-k3ray-{os.getpid()}.port").write_text("41000")
+    (tmp_path / "metrics-k3ray-999999999.port").write_text("41001")  # its replica is gone
+    (tmp_path / "haproxy.cfg").write_text("")
+    listeners = announced_listeners(str(tmp_path))
+    assert listeners == {"k3ray": [41000]}
+    out = with_metrics_listeners(config, listeners)
+    route = "use_backend k3ray-metrics-http-k3ray if { path /metrics } { nbsrv(k3ray-metrics-http-k3ray) ge 1 }"
+    assert out.index(route) < out.index("use_backend http-k3ray if is_http-k3ray")
+    assert out.endswith("    server metrics-41000 127.0.0.1:41000 check\n")
+    assert with_metrics_listeners(config, {}) == config  # no listener: the app keeps /metrics
+
+
 def test_the_error_pages_are_raw_http_with_an_openai_body():
     import json
 
