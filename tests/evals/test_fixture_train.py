@@ -1,0 +1,95 @@
+"""The k3-tiny-niah training script: a backward-capable forward equal to the serving forward, a few
+steps that lower the loss, an exact resume, data in the eval prompts' formats, and an export that
+k3ray loads by path."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from k3ray.api import K3
+from k3ray.evals.fixture import data
+from k3ray.evals.fixture.kda_train import chunk_kda_train
+from k3ray.evals.fixture.model import train_logits, trainable_model
+from k3ray.evals.fixture.train import CONFIGS, LOG_FILE, main
+from k3ray.evals.tasks import TASKS, Cell
+from k3ray.evals.oracle import OracleTarget
+from k3ray.kernels.kda import l2norm
+from k3ray.kernels.kda.naive import naive_chunk_kda
+from k3ray.tokenizer import ByteTokenizer
+
+TINY_RUN = ["--config", "tiny", "--tokens-per-step", "1024", "--max-haystack", "96", "--lr", "1e-2",
+            "--warmup", "1", "--eval-every", "4", "--heldout-per-cell", "1", "--threads", "1"]
+
+
+def _log(out):
+    return [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
+
+
+def _losses(out):
+    return [r["loss"] for r in _log(out) if "loss" in r]
+
+
+def test_training_kda_matches_the_reference_chunked_form():
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K = 2, 83, 2, 16
+    q, k = (l2norm(torch.randn(B, T, H, K, generator=gen)) for _ in range(2))
+    v = torch.randn(B, T, H, K, generator=gen)
+    g = -5 * torch.rand(B, T, H, K, generator=gen)  # down to K3's gate bound
+    beta = torch.rand(B, T, H, generator=gen)
+    want, _ = naive_chunk_kda(q, k, v, g, beta, K**-0.5)
+    torch.testing.assert_close(chunk_kda_train(q, k, v, g, beta, K**-0.5), want, atol=1e-5, rtol=1e-4)
+
+
+def test_training_forward_matches_the_serving_forward():
+    config = CONFIGS["tiny"]()
+    model = trainable_model(config, seed=3)
+    with torch.no_grad():  # non-trivial AttnRes queries, so depth mixing is exercised
+        for name, p in model.named_parameters():
+            if "_res_proj" in name:
+                p.normal_(0, 0.3)
+    ids = torch.randint(0, 256, (2, 150), generator=torch.Generator().manual_seed(1))
+    k3 = K3(model.eval(), ByteTokenizer(config.vocab_size))
+    want = torch.stack([k3.logits(row.tolist()) for row in ids]).reshape(300, -1)
+    with torch.no_grad():
+        got = train_logits(model, ids, torch.arange(300))
+    torch.testing.assert_close(got, want.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_items_use_the_eval_templates_and_the_readers_answer():
+    tok = ByteTokenizer()
+    rng = random.Random(0)
+    for name in ("niah", "niah_multikey_1", "vt"):
+        ex = data.make_example(name, 300, rng, tok)
+        text = tok.decode(ex.prompt)
+        # the eval's own item for the same task ends with the same question template
+        item = TASKS[name].build(Cell(name, len(ex.prompt), 50.0), OracleTarget(), seed=0)
+        assert text.split("?")[-1].split(" ")[:4] == item.prompt.split("?")[-1].split(" ")[:4]
+        assert ex.answer[-1] == tok.eos_token_id
+        answer = tok.decode(ex.answer[:-1])
+        assert answer.startswith(" ") and all(ref in answer for ref in ex.references)
+
+
+def test_a_few_steps_lower_the_loss_and_resume_exactly(tmp_path):
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    main(["--out", str(whole), "--steps", "8", *TINY_RUN])
+    losses = _losses(whole)
+    assert len(losses) == 8
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
+    assert any("heldout" in r for r in _log(whole))
+    main(["--out", str(halves), "--steps", "8", "--stop-at", "4", *TINY_RUN])
+    assert len(_losses(halves)) == 4
+    main(["--out", str(halves), "--steps", "8", *TINY_RUN])
+    assert _losses(halves) == pytest.approx(losses, rel=1e-3)
+
+
+def test_export_loads_by_path_with_mxfp4_experts_and_the_log(tmp_path):
+    out = tmp_path / "run"
+    main(["--out", str(out), "--steps", "2", "--export", str(tmp_path / "ckpt"), *TINY_RUN])
+    hf = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert hf["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    assert (tmp_path / "ckpt" / LOG_FILE).read_text() == (out / LOG_FILE).read_text()
+    k3 = K3.load(str(tmp_path / "ckpt"), device="cpu")
+    assert k3.model.config.expert_format == "mxfp4"
+    assert 1 <= len(k3.generate(ByteTokenizer().encode("One of the special magic numbers"), max_new_tokens=4)) <= 4
