@@ -151,12 +151,9 @@ class ServeArgs(Settings):
 
     def resolved(self) -> ServeArgs:
         """The checkpoint path and model name filled in (the default checkpoint is written on first use)."""
-        path = self.model.model
-        if path is None:
-            from k3ray.default_model import default_checkpoint_dir
+        from k3ray.checkpoints import checkpoint_dir
 
-            path = default_checkpoint_dir()
-        path = os.path.abspath(os.path.expanduser(path))
+        path = os.path.abspath(os.path.expanduser(checkpoint_dir(self.model.model)))
         name = self.server.served_model_name or os.path.basename(path.rstrip("/"))
         tokenizer = self.model.tokenizer and os.path.abspath(os.path.expanduser(self.model.tokenizer))
         return self.model_copy(update={"model": self.model.model_copy(update={"model": path, "tokenizer": tokenizer}),

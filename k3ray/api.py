@@ -33,15 +33,15 @@ class K3:
     @classmethod
     def load(cls, path: str | None = None, dtype: torch.dtype = torch.float32, device: DeviceLike = "auto",
              tokenizer: str | None = None) -> "K3":
-        """Load a checkpoint directory (config.json + safetensors, tokenizer files if present) onto
-        `device` ("auto": CUDA when available, "cpu", "cuda", "cuda:N"); with no path, the
-        deterministic tiny K3 checkpoint (made on first use). `tokenizer`: a directory holding the
-        tokenizer when the checkpoint has none of its own."""
-        from k3ray.default_model import default_checkpoint_dir
+        """Load a checkpoint directory (config.json + safetensors, tokenizer files if present) or a
+        shipped checkpoint by name ("k3-tiny-niah") onto `device` ("auto": CUDA when available,
+        "cpu", "cuda", "cuda:N"); with no path, the deterministic tiny K3 checkpoint (made on first
+        use). `tokenizer`: a directory holding the tokenizer when the checkpoint has none of its own."""
+        from k3ray.checkpoints import checkpoint_dir
         from k3ray.tokenizer.load import tokenizer_for
         from k3ray.weights import load_model
 
-        path = path or default_checkpoint_dir()
+        path = checkpoint_dir(path)
         model = load_model(path, dtype=dtype, device=resolve_device(device))
         return cls(model.eval(), tokenizer_for(path, tokenizer), name=model.config.name)
 

@@ -174,13 +174,11 @@ class LLM:
 
 
 def _checkpoint_dir(model) -> str | os.PathLike:
-    if model is None:
-        from k3ray.default_model import default_checkpoint_dir
+    from k3ray.checkpoints import checkpoint_dir
 
-        return default_checkpoint_dir()
-    if not isinstance(model, (str, os.PathLike)):
+    if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be None, a checkpoint directory or a K3ForCausalLM, got {type(model).__name__}")
-    return model
+    return checkpoint_dir(model)
 
 
 def _load(model, dtype: torch.dtype, device: torch.device, tokenizer=None):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3ray.checkpoints import checkpoint_dir
 from k3ray.config import ModelConfig
 from k3ray.device import DeviceLike, resolve_device
 from k3ray.models.init import build_model
@@ -91,7 +92,7 @@ def load_model(
 ) -> K3ForCausalLM:
     """Build the model (or slice) described by `path/config.json` on `device` ("auto", "cpu",
     "cuda", "cuda:N") and load its weights straight onto it (MXFP4 experts stay packed)."""
-    path = os.fspath(path)
+    path = checkpoint_dir(path)
     config = read_config(path)
     model = build_model(config, dtype, seed=None, device=resolve_device(device), layer_range=layer_range,
                         expert_range=expert_range)

@@ -1,0 +1,32 @@
+"""Checkpoints shipped inside the package, loadable by name wherever a checkpoint directory is
+taken (`K3.load`, `LLM`, `load_model`, `k3ray serve --model`, `k3ray eval --checkpoint`).
+
+k3-tiny-niah: the tiny K3 trained for retrieval by `python -m k3ray.evals.fixture.train` (its log
+is `train_log.jsonl` beside the weights), so eval scores move when a pipeline bug does.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+
+SHIPPED = ("k3-tiny-niah",)
+
+
+def shipped_checkpoint_dir(name: str) -> str:
+    if name not in SHIPPED:
+        raise ValueError(f"no shipped checkpoint {name!r}; shipped: {', '.join(SHIPPED)}")
+    return str(resources.files("k3ray.checkpoints") / name)
+
+
+def checkpoint_dir(model: str | os.PathLike | None) -> str:
+    """The directory to load: None -> the default tiny checkpoint (written on first use); a shipped
+    name that is not an existing path -> its packaged directory; anything else as given."""
+    if model is None:
+        from k3ray.default_model import default_checkpoint_dir
+
+        return default_checkpoint_dir()
+    path = os.fspath(model)
+    if path in SHIPPED and not os.path.exists(path):
+        return shipped_checkpoint_dir(path)
+    return path
