@@ -18,6 +18,7 @@ import time
 import ray
 import torch
 
+from k3ray.actors.expert_placement import Placement
 from k3ray.actors.protocol import StageFailure
 from k3ray.actors.wire import Bundle, pack, sum_raw, unpack_raw, unpack_tagged
 from k3ray.models.moe import ExpertBackend
@@ -43,10 +44,14 @@ BROADCAST_BYTES = 64 << 10
 
 
 def split(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-          every_shard: bool = False) -> tuple[list, list[Bundle], list[torch.Tensor] | None]:
+          every_shard: bool = False, placement: Placement | None = None
+          ) -> tuple[list, list[Bundle], list[torch.Tensor] | None]:
     """The calls of one layer's dispatch: (target shards, one bundle each tagged with the layer,
     rows [T_s] per target or None when each target gets the whole step). A shard none of the rows
-    is routed to is left out unless every_shard (a compiled graph runs all its nodes)."""
+    is routed to is left out unless every_shard (a compiled graph runs all its nodes). With a
+    placement holding replicas, each (row, expert) pair goes to one copy of its expert."""
+    if placement is not None and placement.replicated:
+        return _split_over_copies(shards, layer_idx, h, ids, weights, every_shard, placement)
     if h.numel() * h.element_size() <= BROADCAST_BYTES:
         bundle = pack(h, ids, weights, tag=layer_idx)
         if every_shard:
@@ -65,6 +70,24 @@ def split(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, 
     return targets, bundles, rows
 
 
+def _split_over_copies(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       every_shard: bool, placement: Placement) -> tuple[list, list[Bundle], list[torch.Tensor]]:
+    """split for a placement with replicas: each shard gets the rows with a pair it owns
+    (Placement.pair_owners), the other pairs' ids set to -1 (no expert: they add 0), and the
+    replicas it computes them with (a shard may hold others, loading or dropping)."""
+    owners = placement.pair_owners(ids)  # [T, k]
+    rows, bundles, targets = [], [], []
+    for s, (_, _, shard) in enumerate(shards):
+        mine = owners == s  # [T, k]
+        r = mine.any(-1).nonzero().squeeze(-1)  # [T_s]
+        if r.numel() or every_shard:
+            rows.append(r)
+            replicas = torch.tensor(placement.replicas[s], dtype=torch.long)
+            bundles.append(pack(h[r], torch.where(mine[r], ids[r], -1), weights[r], replicas, tag=layer_idx))
+            targets.append(shard)
+    return targets, bundles, rows
+
+
 def combine(shape: torch.Size, rows: list[torch.Tensor] | None, parts: list) -> torch.Tensor:
     """Sum the shards' partial outputs (raw fp32, one per target of split: rows[s] of y each or
     the whole step) -> y [T, Dl] fp32."""
@@ -77,12 +100,13 @@ def combine(shape: torch.Size, rows: list[torch.Tensor] | None, parts: list) -> 
 
 
 def fan_out(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            timeout_s: float) -> torch.Tensor:
+            timeout_s: float, placement: Placement | None = None) -> torch.Tensor:
     """h [T, Dl], ids / weights [T, k] -> y [T, Dl] fp32: every shard with an expert of some row
-    computes those rows' experts in its range (other ids add 0); the calls run concurrently."""
+    computes those rows' experts in its range (other ids add 0), or with replicas placed the pairs
+    the placement gives it; the calls run concurrently."""
     # every bundle is packed before the first call goes out: packing between submissions competed
     # with Ray's sending threads and the first shard for the 2 cores
-    targets, bundles, rows = split(shards, layer_idx, h, ids, weights)
+    targets, bundles, rows = split(shards, layer_idx, h, ids, weights, placement=placement)
     refs = [shard.compute.remote(bundle) for shard, bundle in zip(targets, bundles)]
     return combine(h.shape, rows, ray.get(refs, timeout=timeout_s) if refs else [])
 
@@ -98,16 +122,20 @@ class RoutedDispatch:
         return unpack_raw(ray.get(ref, timeout=self.timeout_s), torch.float32, h.shape)
 
     def flush(self) -> None:
-        """Nothing to report: the router counted each dispatch itself."""
+        """Tell the router a step ended (not awaited): it switches to a new placement only there."""
+        self.router.end_step.remote()
 
 
 class DirectDispatch:
     """A stage's MoE layers calling the router's shards themselves; the load counts go to the
-    router once per step (`flush`, not awaited)."""
+    router once per step (`flush`, not awaited), and its answer, a newer placement once the shards
+    hold its replicas, replaces the placement between two steps."""
 
     def __init__(self, router: "ray.actor.ActorHandle", num_experts: int, timeout_s: float):
         self.router, self.timeout_s = router, timeout_s
         self.shards = ray.get(router.shard_map.remote(), timeout=timeout_s)
+        self.placement = Placement.static([(e0, e1) for e0, e1, _ in self.shards])
+        self.update: "ray.ObjectRef | None" = None  # the router's answer to the last flush
         self.load = torch.zeros(num_experts, dtype=torch.long)
         self.dispatches = 0
 
@@ -118,12 +146,19 @@ class DirectDispatch:
         return y
 
     def fan_out(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return fan_out(self.shards, layer_idx, h, ids, weights, self.timeout_s)
+        return fan_out(self.shards, layer_idx, h, ids, weights, self.timeout_s, self.placement)
 
     def flush(self) -> "ray.ObjectRef | None":
+        """At the end of a step: take up a placement the router answered with, then report this
+        step's load."""
+        if self.update is not None and ray.wait([self.update], timeout=0)[0]:
+            newer, self.update = ray.get(self.update), None
+            if newer is not None:
+                self.placement = newer
         if not self.dispatches:
             return None
-        ref = self.router.record_load.remote(pack(self.load), self.dispatches)
+        ref = self.router.record_load.remote(pack(self.load), self.dispatches, self.placement.version)
+        self.update = ref
         self.load = torch.zeros_like(self.load)
         self.dispatches = 0
         return ref
@@ -162,7 +197,7 @@ class CompiledDispatch(DirectDispatch):
     def fan_out(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.graph is None:
             self.graph = self._compile()
-        _, bundles, rows = split(self.shards, layer_idx, h, ids, weights, every_shard=True)
+        _, bundles, rows = split(self.shards, layer_idx, h, ids, weights, every_shard=True, placement=self.placement)
         try:
             parts = ray.get(self.graph.execute(*bundles), timeout=self.timeout_s)
         except Exception as e:

@@ -121,7 +121,8 @@ class RayModelRunner:
                     shards.append((er[0], er[1], actor))
                 router = ray.remote(MoERouter).options(
                     **opts(index[("router", s, None)], parallel.router_resources)
-                ).remote(shards, self.config.num_experts, parallel.call_timeout_s, parallel.torch_threads)
+                ).remote(shards, self.config.num_experts, parallel.call_timeout_s, parallel.torch_threads,
+                         *self._balancing(parallel))
             stage = ray.remote(PipelineStage).options(
                 **opts(index[("stage", s, None)], parallel.stage_resources, **stage_extra)
             ).remote(checkpoint, layers, cache, router, parallel)
@@ -134,6 +135,23 @@ class RayModelRunner:
         self.hop_transport = hop_transport(parallel, infos) if may_use_nccl else "host"
         if self.hop_transport == "nccl":
             self._connect_stages()
+
+    @staticmethod
+    def _balancing(parallel: ParallelConfig) -> tuple[int, int]:
+        """(redundant_experts, rebalance_steps) for the routers: on with expert parallelism only."""
+        if parallel.expert_parallel < 2:
+            return 0, 0
+        return parallel.redundant_experts, parallel.rebalance_steps
+
+    def rebalance_experts(self) -> list[dict | None]:
+        """Per stage: have its router place replicas for the load since its last rebalance now
+        (None for a stage without MoE layers); the stages take the placement up between steps."""
+        return [self._get(g.router.rebalance.remote(), "expert rebalance") if g.router else None for g in self.groups]
+
+    def expert_placements(self) -> list[dict | None]:
+        """Per stage: the router's placement (MoERouter.current_placement), None without MoE layers."""
+        return [self._get(g.router.current_placement.remote(), "expert placement") if g.router else None
+                for g in self.groups]
 
     def _connect_stages(self) -> None:
         """One NCCL communicator over the stages (Ray's collective group); a failure leaves the

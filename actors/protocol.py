@@ -38,6 +38,10 @@ class ParallelConfig:
     # when every stage holds its own GPU and cupy is installed, else host memory; "host" = always
     # host memory (MoE rows always go through host memory: see pipeline_replica.hop_transport)
     stage_transport: str = "auto"
+    # expert balancing (expert_placement.py), with expert_parallel > 1: replica slots per shard
+    # (each MoE layer of the stage) for the hottest experts, re-placed every so many steps (0: never)
+    redundant_experts: int = 1
+    rebalance_steps: int = 64
 
     def __post_init__(self) -> None:
         if self.pipeline < 1:
@@ -51,6 +55,10 @@ class ParallelConfig:
             raise ValueError(f"moe_dispatch must be one of {MOE_DISPATCH_MODES}, got {self.moe_dispatch!r}")
         if self.stage_transport not in STAGE_TRANSPORTS:
             raise ValueError(f"stage_transport must be one of {STAGE_TRANSPORTS}, got {self.stage_transport!r}")
+        if self.redundant_experts < 0:
+            raise ValueError(f"redundant_experts must be >= 0, got {self.redundant_experts}")
+        if self.rebalance_steps < 0:
+            raise ValueError(f"rebalance_steps must be >= 0, got {self.rebalance_steps}")
         if self.call_timeout_s <= 0:
             raise ValueError(f"call_timeout_s must be > 0, got {self.call_timeout_s}")
 

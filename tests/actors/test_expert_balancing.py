@@ -1,0 +1,145 @@
+"""Expert balancing: the EPLB-style placement on hand examples, replicas on real shards equal the
+layer's experts in one process, and rebalancing during a stream of greedy requests on the
+multi-node loopback cluster changes no output."""
+
+import pytest
+import torch
+
+from k3ray.actors.expert_placement import Placement, balance, max_over_mean
+from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
+from k3ray.testing import assert_close
+from k3ray.tokenizer import load_tokenizer
+from k3ray.weights import load_model
+
+TWO_SHARDS = Placement.static([(0, 4), (4, 8)])
+SKEWED = torch.tensor([100, 50, 10, 10, 5, 5, 5, 5])  # shard 0 holds the hot experts
+
+
+def test_shard_loads_split_an_expert_over_its_copies():
+    assert TWO_SHARDS.shard_loads(SKEWED) == [170.0, 20.0]
+    placement = Placement(TWO_SHARDS.ranges, ((), (0,)))
+    assert placement.copies(0) == [0, 1] and placement.copies(5) == [1]
+    assert placement.shard_loads(SKEWED) == [120.0, 70.0]
+    assert max_over_mean([120.0, 70.0]) == pytest.approx(240 / 190)
+    assert max_over_mean([0.0, 0.0]) == 1.0
+
+
+@pytest.mark.parametrize("slots, replicas, loads", [
+    (0, ((), ()), [170.0, 20.0]),
+    (1, ((), (0,)), [120.0, 70.0]),  # the hottest expert first
+    (2, ((), (0, 1)), [95.0, 95.0]),  # then the next hottest per copy
+])
+def test_balance_replicates_the_hottest_experts_on_the_quietest_shard(slots, replicas, loads):
+    placement = balance(TWO_SHARDS, SKEWED, slots)
+    assert placement.replicas == replicas and placement.version == 1
+    assert placement.shard_loads(SKEWED) == loads
+
+
+def test_balance_leaves_a_balanced_load_alone():
+    assert balance(TWO_SHARDS, torch.full((8,), 7), 2).replicas == ((), ())
+    assert balance(TWO_SHARDS, torch.zeros(8, dtype=torch.long), 2).replicas == ((), ())
+    with pytest.raises(ValueError, match="slots_per_shard"):
+        balance(TWO_SHARDS, SKEWED, -1)
+
+
+def test_pair_owners_alternate_over_copies_in_step_order():
+    placement = Placement(TWO_SHARDS.ranges, ((), (0,)))
+    ids = torch.tensor([[0, 1], [0, 5], [2, 0], [0, 7]])
+    # expert 0's pairs in order go to shard 0, 1, 0, 1; the others to their home shard
+    assert placement.pair_owners(ids).tolist() == [[0, 0], [1, 1], [0, 0], [1, 1]]
+
+
+ray = pytest.importorskip("ray")
+
+from k3ray.actors import moe_dispatch  # noqa: E402
+from k3ray.actors.expert_shard import ExpertShard  # noqa: E402
+from k3ray.actors.protocol import ParallelConfig  # noqa: E402
+from k3ray.actors.ray_executor import RayExecutor  # noqa: E402
+
+
+def wait_for_replicas(shards, wanted, timeout_s=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while ray.get([s.held_replicas.remote() for _, _, s in shards]) != [sorted(w) for w in wanted]:
+        assert time.monotonic() < deadline, "replicas did not load"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rows, broadcast_bytes", [(8, moe_dispatch.BROADCAST_BYTES), (300, 0), (1, 0)])
+def test_fan_out_over_replicas_equals_the_experts_in_one_process(ray_cluster, tiny_checkpoint, monkeypatch,
+                                                                 rows, broadcast_bytes):
+    model = load_model(tiny_checkpoint, torch.float32)
+    E = model.config.num_experts
+    ranges = [(0, E // 2), (E // 2, E)]
+    actors = [ray.remote(ExpertShard).options(num_cpus=0.1, resources={"shard_node": 1}).remote(
+        tiny_checkpoint, (0, model.config.num_layers), r) for r in ranges]
+    shards = [(e0, e1, a) for (e0, e1), a in zip(ranges, actors)]
+    try:
+        # every expert of shard 0 has a copy on shard 1 and expert E - 1 one on shard 0
+        placement = Placement(tuple(ranges), ((E - 1,), tuple(range(E // 2))), 1)
+        for (_, _, shard), experts in zip(shards, placement.replicas):
+            ray.get(shard.add_replicas.remote(list(experts)))
+        wait_for_replicas(shards, placement.replicas)
+        monkeypatch.setattr(moe_dispatch, "BROADCAST_BYTES", broadcast_bytes)
+        layer = next(i for i in range(model.config.num_layers) if model.config.is_moe_layer(i))
+        moe = model.model.layers[str(layer)].block_sparse_moe
+        torch.manual_seed(rows)
+        with torch.no_grad():
+            x = torch.randn(rows, model.config.hidden_size)
+            weights, ids = moe.gate(x)  # [T, k]
+            h = moe.routed_expert_down_proj(x)  # [T, Dl]
+            expected = moe.experts(h, ids, weights)
+        got = moe_dispatch.fan_out(shards, layer, h, ids, weights, 60.0, placement)
+        # the same products summed in another order (as test_moe_fan_out): fp32 rounding, not bit for bit
+        assert_close("fan_out over replicas", expected, got, 1e-6)
+        ray.get(shards[1][2].keep_replicas.remote([0]))
+        assert ray.get(shards[1][2].held_replicas.remote()) == [0]
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+ON_NODES = dict(stage_resources={"CPU": 1, "stage_node": 1}, shard_resources={"CPU": 1, "shard_node": 1},
+                router_resources={"CPU": 0.5, "stage_node": 1})
+CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=8, num_blocks=64)
+PROMPTS = ["the quick brown fox jumps over the lazy dog", "abababababab", "one two three four five", "hello"]
+
+
+def stream(engine, tokenizer):
+    """Greedy requests arriving one after another while earlier ones decode."""
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
+    outs, pending = {}, list(enumerate(PROMPTS))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0]
+    return outs
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dispatch", ["direct", "router"])
+def test_rebalancing_during_a_greedy_stream_changes_no_output(ray_cluster, tiny_checkpoint, dispatch):
+    tok = load_tokenizer(tiny_checkpoint)
+    ref = stream(LLMEngine(LocalExecutor(load_model(tiny_checkpoint)), CONFIG, tok), tok)
+    # a new placement every 3 steps of a stage, up to 2 replicas per shard
+    parallel = ParallelConfig(2, 2, moe_dispatch=dispatch, redundant_experts=2, rebalance_steps=3, **ON_NODES)
+    executor = RayExecutor(tiny_checkpoint, parallel)
+    try:
+        got = stream(LLMEngine(executor, CONFIG, tok), tok)
+        placements = executor.runner.expert_placements()
+    finally:
+        executor.shutdown()
+    for p in placements:  # both stages took up placements with replicas during the stream
+        assert p["version"] >= 2 and p["in_use"] >= 1 and p["replicated_placements"] >= 1, p
+    assert got.keys() == ref.keys()
+    for rid, out in got.items():
+        assert out.token_ids == ref[rid].token_ids, rid
+        for pos_got, pos_ref in zip(out.logprobs, ref[rid].logprobs):
+            assert pos_got.keys() == pos_ref.keys()
+            for t in pos_got:  # fp32 logits equal up to the expert partial-sum order, as test_ray_executor
+                assert abs(pos_got[t].logprob - pos_ref[t].logprob) <= 1e-4
