@@ -3,8 +3,9 @@ device, with the memory of every actor (weights, KDA state, MLA cache), or say w
 
 Each stage actor holds contiguous layers (all their non-expert weights and caches; the first
 also the embedding, the last the head); each of a stage's `expert_parallel` shard actors holds
-an equal slice of that stage's routed experts; one CPU-only router actor per stage with MoE
-layers, and a CPU-side vision encoder for a config with a vision tower: the actors `k3ray serve`
+an equal slice of that stage's routed experts (with expert parallelism also `redundant_experts`
+replicas of hot experts per MoE layer, placed by the router); one CPU-only router actor per stage
+with MoE layers, and a CPU-side vision encoder for a config with a vision tower: the actors `k3ray serve`
 asks Ray for (Plan.serve_parallel). With measured layer costs (`k3ray bench layer`),
 predict_throughput estimates a layout's tokens/s per device."""
 
@@ -37,6 +38,9 @@ class PlanRequest:
     device_memory_gib: float | None = None  # CPU: host memory per node (required); GPU: override
     utilization: float = 0.9  # fraction of a device usable for weights + caches
     activation_reserve_gib: float = 2.0  # per stage actor: activations of one chunked-prefill step
+    # with expert parallelism: replicas of hot experts per shard (each MoE layer of its stage), as
+    # the MoE router places them (ParallelConfig.redundant_experts)
+    redundant_experts: int = 1
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,11 @@ class ActorPlan:
     mla_cache_bytes: int
     other_bytes: int
     devices: int
+    replica_bytes: int = 0  # an expert shard's replicas of hot experts (beside its own range's weights)
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kda_state_bytes + self.mla_cache_bytes + self.other_bytes
+        return self.weight_bytes + self.kda_state_bytes + self.mla_cache_bytes + self.other_bytes + self.replica_bytes
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,10 @@ def build_plan(req: PlanRequest, pipeline: int, expert_parallel: int) -> Plan:
         stage_experts = sum(routed[a:b])
         for e, (e0, e1) in enumerate(split_range(c.num_experts, expert_parallel)):
             share = stage_experts * (e1 - e0) // c.num_experts
+            replicas = min(req.redundant_experts, c.num_experts - (e1 - e0)) if expert_parallel > 1 else 0
             if share:
-                actors.append(ActorPlan("expert_shard", s, (a, b), (e0, e1), share, 0, 0, 0, 1))
+                actors.append(ActorPlan("expert_shard", s, (a, b), (e0, e1), share, 0, 0, 0, 1,
+                                        replicas * stage_experts // c.num_experts))
         if stage_experts:  # a stage without MoE layers gets no router (as k3ray serve places them)
             actors.append(ActorPlan("router", s, (a, b), None, 0, 0, 0, 0, 0))
     vision = _vision_bytes(c) if c.vision is not None else 0
@@ -178,7 +185,8 @@ def problems(plan: Plan) -> list[str]:
             out.append(
                 f"{what} needs {a.total_bytes / GIB:.1f} GiB (weights {a.weight_bytes / GIB:.1f}, KDA state "
                 f"{a.kda_state_bytes / GIB:.1f}, MLA cache {a.mla_cache_bytes / GIB:.1f}, activations "
-                f"{a.other_bytes / GIB:.1f}) > {plan.device_bytes / GIB:.1f} GiB usable on one {plan.request.device}"
+                f"{a.other_bytes / GIB:.1f}, expert replicas {a.replica_bytes / GIB:.1f}) > "
+                f"{plan.device_bytes / GIB:.1f} GiB usable on one {plan.request.device}"
             )
     return out
 
@@ -197,6 +205,8 @@ def validate_request(req: PlanRequest) -> None:
         raise ValueError(f"pipeline must be in [1, {c.num_layers}], got {req.pipeline}")
     if req.expert_parallel is not None and not 1 <= req.expert_parallel <= c.num_experts:
         raise ValueError(f"expert_parallel must be in [1, {c.num_experts}], got {req.expert_parallel}")
+    if req.redundant_experts < 0:
+        raise ValueError(f"redundant_experts must be >= 0, got {req.redundant_experts}")
 
 
 def plan(req: PlanRequest) -> Plan:

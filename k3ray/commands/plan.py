@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", choices=["mxfp4", "bf16"], default="mxfp4", help="routed-expert weight format")
     p.add_argument("--pipeline", type=int, default=None, help="fix the number of pipeline stages")
     p.add_argument("--expert-parallel", type=int, default=None, help="fix expert shards per stage")
+    p.add_argument("--redundant-experts", type=int, default=1,
+                   help="replicas of hot experts per expert shard and MoE layer (expert balancing)")
     p.add_argument("--layer-costs", metavar="FILE", default=None,
                    help="`k3ray bench layer --json` output: also predict tokens/s per device for the layout")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
@@ -34,13 +36,15 @@ def main(args: argparse.Namespace) -> int:
         config=load_config(args.preset, args.path), device=args.device.upper() if args.device.lower() != "cpu" else "CPU",
         context_len=args.context_len, concurrency=args.concurrency, expert_format=args.experts,
         pipeline=args.pipeline, expert_parallel=args.expert_parallel, device_memory_gib=args.device_memory_gib,
+        redundant_experts=args.redundant_experts,
     )
     p = plan(req)
     rows = [
         {"role": a.role, "stage": a.stage, "layers": f"{a.layers[0]}-{a.layers[1] - 1}" if a.layers[1] else "",
          "experts": f"{a.experts[0]}-{a.experts[1] - 1}" if a.experts else "", "devices": a.devices,
          "weights_gib": round(a.weight_bytes / GIB, 2), "kda_state_gib": round(a.kda_state_bytes / GIB, 2),
-         "mla_cache_gib": round(a.mla_cache_bytes / GIB, 2), "total_gib": round(a.total_bytes / GIB, 2)}
+         "mla_cache_gib": round(a.mla_cache_bytes / GIB, 2), "replicas_gib": round(a.replica_bytes / GIB, 2),
+         "total_gib": round(a.total_bytes / GIB, 2)}
         for a in p.actors
     ]
     summary = {"model": req.config.name, "device": req.device, "pipeline": p.pipeline,

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -123,3 +124,18 @@ def test_a_plan_asks_serve_for_its_actors():
     assert k3.serve_parallel() == {"pipeline": k3.pipeline, "expert_parallel": k3.expert_parallel,
                                    "stage_gpus": 1.0, "shard_gpus": 1.0}
     assert [a.role for a in k3.actors].count("vision") == 1 and k3.actors[-1].devices == 0
+
+
+def test_expert_shards_make_room_for_the_routers_replicas():
+    c = k3_tiny_config()
+    req = PlanRequest(c, "CPU", 4096, 4, device_memory_gib=8)
+    shards = [a for a in build_plan(req, pipeline=2, expert_parallel=2).actors if a.role == "expert_shard"]
+    for a in shards:  # one expert's weights per MoE layer of the stage, beside the shard's own half
+        assert a.replica_bytes == a.weight_bytes // (c.num_experts // 2) > 0
+        assert a.total_bytes == a.weight_bytes + a.replica_bytes
+    none = build_plan(dataclasses.replace(req, redundant_experts=0), pipeline=2, expert_parallel=2)
+    assert all(a.replica_bytes == 0 for a in none.actors)
+    whole = build_plan(req, pipeline=2, expert_parallel=1)  # no expert parallelism: nothing to balance
+    assert all(a.replica_bytes == 0 for a in whole.actors)
+    with pytest.raises(ValueError, match="redundant_experts"):
+        plan(dataclasses.replace(req, redundant_experts=-1))
