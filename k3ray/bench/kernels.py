@@ -2,7 +2,9 @@
 pure-PyTorch `naive_chunk_kda` on CPU.
 
 Each op folder may ship `kernels/<op>/bench.py` with `cases(device, quick) -> list[dict]`
-(keys op, shape, fn, bytes, flops); every present one is collected.
+(keys op, shape, fn, bytes, flops, optional baselines); every present one is collected.
+With --compare each case is timed interleaved with its baselines (kernels/baselines.py); one
+that cannot run here is reported with the reason.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ HELP = "per-op kernel timings at K3 and tiny shapes"
 OP_MODULES = ("kda", "conv", "mla", "attn_res", "moe")
 # H200 SXM: HBM3e bandwidth and dense bf16 tensor-core peak
 H200_BYTES_PER_S = 4.8e12
-H200_FLOPS = 990e12
+H200_FLOPS = 790e12  # measured dense bf16 (the 990e12 datasheet figure is not reached)
+TINY_LABEL = "k3-tiny"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,9 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
     parser.add_argument("--ops", default=",".join(OP_MODULES), help="comma-separated op folders to run")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 5, quick 2)")
-    parser.add_argument("--compare-heads", type=int, default=None,
-                        help="heads for the fla naive_chunk_kda comparison at T=4096, K=V=128 (default 16, quick 8)")
-    parser.add_argument("--no-compare", action="store_true", help="skip the fla naive_chunk_kda comparison")
+    parser.add_argument("--tiny", action="store_true", help="only the tiny-shape cases (a smoke run)")
+    parser.add_argument("--compare", action="store_true",
+                        help="time every case interleaved with its baselines (fla-core, torch, naive.py); "
+                             "rows gain baseline, baseline_ms, speedup_vs_baseline")
+    parser.add_argument("--naive-ratio-heads", type=int, default=None,
+                        help="heads for the CPU kda_prefill_vs_naive_chunk ratio at T=4096, K=V=128 "
+                             "(default 16, quick 8)")
+    parser.add_argument("--no-naive-ratio", action="store_true",
+                        help="skip the CPU kda_prefill_vs_naive_chunk ratio (fla naive_chunk_kda)")
     add_threads_argument(parser)
 
 
@@ -59,6 +68,43 @@ def _row(case: dict[str, Any], device: str, seconds: float) -> dict[str, Any]:
         frac = bound / seconds
     return {"op": case["op"], "shape": case["shape"], "device": device, "ms": seconds * 1e3,
             "tb_s": tb_s, "tflops": tflops, "roofline_frac": frac}
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each fn, timed round by round in turn (each already warmed up)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def compare_case(case: dict[str, Any], device: str, repeats: int) -> tuple[float, dict[str, Any]]:
+    """(our seconds, the row's baseline fields): the case and each baseline that runs here, timed
+    interleaved; `baseline` is the fastest of them, `baselines` has every time or skip reason."""
+    fns = {"ours": _synced(case["fn"], device)}
+    skipped = {}
+    for name, factory in case.get("baselines", {}).items():
+        try:
+            fn = _synced(factory(), device)
+            fn()  # the warm-up also proves it runs here
+            fns[name] = fn
+        except Exception as e:  # noqa: BLE001 -- a baseline that cannot run is reported, not fatal
+            skipped[name] = f"{type(e).__name__}: {e}"[:300]
+    fns["ours"]()
+    seconds = _interleaved(fns, repeats)
+    ours = seconds.pop("ours")
+    best = min(seconds, key=seconds.get) if seconds else None
+    fields = {
+        "baseline": best,
+        "baseline_ms": None if best is None else seconds[best] * 1e3,
+        "speedup_vs_baseline": None if best is None else seconds[best] / ours,
+        "baselines": {**{n: {"ms": t * 1e3, "speedup": t / ours} for n, t in seconds.items()},
+                      **{n: {"skipped": why} for n, why in skipped.items()}},
+    }
+    return ours, fields
 
 
 def _op_modules(ops: list[str]) -> list[Any]:
@@ -123,17 +169,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with torch.inference_mode():
         for module in _op_modules(ops):  # one module's inputs alive at a time
             for case in module.cases(device, args.quick):
-                seconds = median_time(_synced(case["fn"], device), repeats=repeats, warmup=1)
-                rows.append(_row(case, device, seconds))
+                if args.tiny and not case["shape"].startswith(TINY_LABEL):
+                    continue
+                if args.compare:
+                    seconds, fields = compare_case(case, device, repeats)
+                    rows.append({**_row(case, device, seconds), **fields})
+                else:
+                    seconds = median_time(_synced(case["fn"], device), repeats=repeats, warmup=1)
+                    rows.append(_row(case, device, seconds))
         compare = None
-        if not args.no_compare and "kda" in ops:
-            heads = args.compare_heads or (8 if args.quick else 16)
+        if not args.no_naive_ratio and not args.tiny and "kda" in ops:
+            heads = args.naive_ratio_heads or (8 if args.quick else 16)
             compare = compare_with_fla_naive_chunk(heads, 1 if args.quick else 3)
     return {
         "machine": machine(),
-        "config": {"device": device, "quick": args.quick, "repeats": repeats, "ops": ops,
-                   "threads": torch.get_num_threads(), "load_avg_1min": [load_before, os.getloadavg()[0]],
-                   "compare": compare},
+        "config": {"device": device, "quick": args.quick, "tiny": args.tiny, "side_by_side": args.compare,
+                   "repeats": repeats, "ops": ops, "threads": torch.get_num_threads(),
+                   "load_avg_1min": [load_before, os.getloadavg()[0]], "compare": compare},
         "kda_prefill_vs_naive_chunk": None if compare is None else compare["ratio"],
         "ops": rows,
     }

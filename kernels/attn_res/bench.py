@@ -1,7 +1,8 @@
 """Benchmark cases for AttnRes + RMSNorm (collected by `k3ray bench kernels`).
 
 K3's deepest layers aggregate 9 sources of width 7168; the op reads every source once and
-writes the aggregate and its normed copy (bf16)."""
+writes the aggregate and its normed copy (bf16). Baseline (--compare): naive.py (no maintained
+library has this op)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def _case(T: int, R: int, D: int, device: str, label: str, naive: bool = False) 
         "fn": lambda: fn(sources, proj, res_w, out_w, 1e-5),
         "bytes": (T * R * D + 2 * T * D + 3 * D) * 2,
         "flops": T * D * (4 * R + 6),  # squares and dots per source, the mix, the norm
+        "baselines": {} if naive else {"naive_attn_res_rmsnorm": lambda: lambda: naive_attn_res_rmsnorm(
+            sources, proj, res_w, out_w, 1e-5)},
     }
 
 

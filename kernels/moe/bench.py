@@ -2,7 +2,9 @@
 
 K3 per MoE layer: routing top-16 of 896 experts (fp32), and SiTU-GLU experts 3584 -> 3072 ->
 3584 in MXFP4 (packed nibbles + E8M0 scales) or bf16. Expert cases hold a shard of E_local
-experts with every routed id local; bytes count each used expert's weights once."""
+experts with every routed id local; bytes count each used expert's weights once.
+Baselines (--compare): the same experts in bf16 through torch (a loop of matmuls over experts,
+and torch._grouped_mm on CUDA where torch has it) and naive.py over the case's own weights."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ from typing import Any
 
 import torch
 
+from k3ray.kernels.baselines import BaselineUnavailable, require_cuda
 from k3ray.kernels.moe.dispatch import moe_experts, select_experts
-from k3ray.kernels.moe.mxfp4 import GROUP
-from k3ray.kernels.moe.naive import naive_moe_experts
+from k3ray.kernels.moe.mxfp4 import GROUP, dequantize_mxfp4
+from k3ray.kernels.moe.naive import naive_moe_experts, naive_select_experts, situ_glu
 
 K3_LATENT, K3_INTER = 3584, 3072
 TINY_LATENT, TINY_INTER = 32, 32
@@ -28,6 +31,7 @@ def _route_case(T: int, E: int, k: int, device: str, label: str) -> dict[str, An
         "fn": lambda: select_experts(logits, bias, k),
         "bytes": T * E * 4 + E * 4 + T * k * 12,
         "flops": None,
+        "baselines": {"naive_select_experts": lambda: lambda: naive_select_experts(logits, bias, k)},
     }
 
 
@@ -37,6 +41,28 @@ def _weights(E: int, out: int, inp: int, fmt: str, device: str, gen: torch.Gener
         scale = torch.randint(118, 124, (E, out, inp // GROUP), dtype=torch.uint8, generator=gen).to(device)
         return packed, scale
     return (0.02 * torch.randn(E, out, inp, generator=gen)).to(device, torch.bfloat16)
+
+
+def _as_bf16(w) -> torch.Tensor:
+    """[E, out, in] bf16: MXFP4 (packed, scale) dequantised once, outside the timing."""
+    if isinstance(w, tuple):
+        return dequantize_mxfp4(w[0], w[1], torch.bfloat16)
+    return w
+
+
+def grouped_mm_experts(h, ids, weights, w1, w3, w2, beta: float, linear_beta: float) -> torch.Tensor:
+    """bf16 experts [E, out, in] as three torch._grouped_mm calls over tokens sorted by expert."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = flat.argsort()
+    tok = order // k  # [T * k] token of each sorted row
+    offs = torch.bincount(flat, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
+    x = h[tok]
+    a = situ_glu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
+                 torch._grouped_mm(x, w3.transpose(1, 2), offs=offs), beta, linear_beta)
+    out = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+    y = h.new_zeros(h.shape, dtype=torch.float32)
+    return y.index_add_(0, tok, out.float() * weights.reshape(-1)[order, None].float())
 
 
 def _experts_case(T: int, k: int, E: int, Dl: int, I: int, fmt: str, device: str, label: str,
@@ -50,12 +76,29 @@ def _experts_case(T: int, k: int, E: int, Dl: int, I: int, fmt: str, device: str
     used = min(E, T * k)
     per_expert = 3 * I * Dl * (2 if fmt == "bf16" else 0.5) + (0 if fmt == "bf16" else 3 * I * Dl // GROUP)
     fn = naive_moe_experts if naive else moe_experts
+
+    def bf16_loop():
+        b1, b3, b2 = (_as_bf16(w) for w in (w1, w3, w2))
+        return lambda: naive_moe_experts(h, ids, weights, b1, b3, b2, 4.0, 25.0)
+
+    def bf16_grouped():
+        require_cuda(device, "torch._grouped_mm")
+        if not hasattr(torch, "_grouped_mm"):
+            raise BaselineUnavailable(f"torch {torch.__version__} has no _grouped_mm")
+        b1, b3, b2 = (_as_bf16(w) for w in (w1, w3, w2))
+        return lambda: grouped_mm_experts(h, ids, weights, b1, b3, b2, 4.0, 25.0)
+
     return {
         "op": f"moe_experts_{fmt}" + ("_naive" if naive else ""),
         "shape": f"{label} T={T} k={k} E_local={E} {Dl}->{I}",
         "fn": lambda: fn(h, ids, weights, w1, w3, w2, 4.0, 25.0),
         "bytes": int(used * per_expert) + T * Dl * (2 + 4),
         "flops": 6 * T * k * I * Dl,
+        "baselines": {} if naive else {
+            "torch.bf16_expert_loop": bf16_loop,
+            "torch.bf16_grouped_mm": bf16_grouped,
+            "naive_moe_experts": lambda: lambda: naive_moe_experts(h, ids, weights, w1, w3, w2, 4.0, 25.0),
+        },
     }
 
 
