@@ -36,5 +36,6 @@ def test_multimodal_needles_run_end_to_end(server, tmp_path):
     for key, record in records.items():
         assert record["error"] is None, (key, record["error"])
         assert isinstance(record["prediction"], str) and record["score"] in (0.0, 1.0)
+        assert record["prompt_tokens"] > record["length"]  # the server's count, each image's tokens included
     assert {r["task"] for r in records.values()} == set(TASKS)
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(summary))
