@@ -7,7 +7,9 @@ experts locally, with the --moe-dispatch mode; dispatch_added_ms holds each mode
 the router actor, from the caller straight to the shards, and with --moe-dispatch compiled the
 stage's compiled graph, timed inside that stage) and dispatch_total_ms their wall times;
 dispatch_floor_ms is the direct mode's calls with the same payloads answered without work (what Ray
-alone costs on this machine at the time)."""
+alone costs on this machine at the time).
+
+--workload skewed measures expert balancing instead (bench_cluster_skewed.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
     p.add_argument("--moe-dispatch", choices=MOE_DISPATCH_MODES, default=DEFAULT_MOE_DISPATCH,
                    help="how the Ray runner's stages reach the expert shards")
+    p.add_argument("--workload", choices=("uniform", "skewed"), default="uniform",
+                   help="uniform: the tiny K3 as is; skewed: one hot expert, shard load and step time "
+                        "before and after the router's expert rebalancing")
+    p.add_argument("--redundant-experts", type=int, default=None,
+                   help="replica slots per expert shard for --workload skewed (default: ParallelConfig's)")
 
 
 def _decode_args(batch: int, step: int, prompt: int):
@@ -115,6 +122,20 @@ def run(args: argparse.Namespace) -> dict:
         connect(address=args.address, include_dashboard=False, log_to_driver=False)
     else:
         connect(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+    if args.workload == "skewed":
+        from k3ray.actors.bench_cluster_skewed import run_skewed
+
+        if args.redundant_experts is None:
+            args.redundant_experts = ParallelConfig().redundant_experts
+        try:
+            out = run_skewed(args, ckpt, spec, _decode_args, _prefill_args)
+        finally:
+            ray.shutdown()
+        return {**out, "machine": machine(),
+                "config": {"model": ckpt, "workload": "skewed", "pipeline": args.pipeline,
+                           "expert_parallel": args.expert_parallel, "moe_dispatch": args.moe_dispatch,
+                           "redundant_experts": args.redundant_experts, "batch": B, "steps": args.steps,
+                           "repeats": args.repeats}}
     try:
         parallel = ParallelConfig(args.pipeline, args.expert_parallel, moe_dispatch=args.moe_dispatch)
         runner = RayModelRunner(ckpt, parallel, spec)

@@ -140,7 +140,13 @@ class DirectDispatch:
         self.dispatches = 0
 
     def __call__(self, layer_idx: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        y = self.fan_out(layer_idx, h, ids, weights)
+        try:
+            y = self.fan_out(layer_idx, h, ids, weights)
+        except Exception:
+            if self.placement.replicated:  # a restarted shard lost its replicas: the static ranges always hold
+                self.placement = Placement(self.placement.ranges, tuple(() for _ in self.shards), self.placement.version)
+                self.router.restore_replicas.remote()
+            raise
         self.load += torch.bincount(ids.flatten(), minlength=self.load.numel())
         self.dispatches += 1
         return y

@@ -41,7 +41,12 @@ class MoERouter:
         """rows = (h [T, Dl], ids [T, k], weights [T, k]) tagged with the layer -> y [T, Dl] fp32
         summed over the shards, raw (wire.pack_raw)."""
         layer_idx, (h, ids, weights) = unpack_tagged(rows)
-        y = fan_out(self.shards, layer_idx, h, ids, weights, self.timeout, self.placement)
+        try:
+            y = fan_out(self.shards, layer_idx, h, ids, weights, self.timeout, self.placement)
+        except Exception:
+            if self.placement.replicated:
+                self.restore_replicas()
+            raise
         self.load += torch.bincount(ids.flatten(), minlength=self.load.numel())
         self.calls += 1
         return pack_raw(y)
@@ -101,6 +106,16 @@ class MoERouter:
         return {"max_over_mean_before": max_over_mean(self.placement.shard_loads(window)),
                 "max_over_mean_after": max_over_mean(target.shard_loads(window)),
                 "version": target.version, "replicas": [list(r) for r in target.replicas]}
+
+    def restore_replicas(self) -> None:
+        """A dispatch over replicas failed (a restarted shard comes back without them): offer the
+        static ranges now, and the replicas again once the shards hold them."""
+        lost = self.pending or self.placement
+        version = max(self.placement.version, lost.version)
+        self.placement = Placement(lost.ranges, tuple(() for _ in lost.ranges), version + 1)
+        self.pending = Placement(lost.ranges, lost.replicas, version + 2)
+        for (_, _, shard), experts in zip(self.shards, lost.replicas):
+            shard.add_replicas.remote(list(experts))
 
     def current_placement(self) -> dict:
         """The placement offered, the version the stage uses, and whether one is still loading."""
