@@ -29,6 +29,7 @@ FLAGS = {
     "--downscale-delay-s", "--metrics-interval-s", "--look-back-period-s", "--max-ongoing-requests",
     "--max-queued-requests", "--retry-after-s", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--block-size", "--cache-memory-mb", "--enable-prefix-caching", "--speculative-ngram", "--seed",
+    "--max-queued-tokens", "--max-queue-wait-s", "--max-request-pixels", "--device", "--enforce-eager",
 }
 GROUPS = [LAUNCH_GROUP, "server", "model", "parallel", "engine", "autoscaling", "media"]
 
