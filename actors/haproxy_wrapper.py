@@ -50,8 +50,8 @@ _PORT_FILE = re.compile(r"^metrics-(.+)-(\d+)\.port$")
 UNAVAILABLE_FILE = "k3ray-unavailable.http"
 STARTING_FILE = "k3ray-starting.json"
 PROBE_PATHS = ("/health", "/ready")
-STARTING_BODY = {"error": {"message": "no replica of the model is ready yet (starting, or being replaced); retry shortly",
-                           "type": "service_unavailable", "param": None, "code": "starting"}}
+STARTING_BODY = {"error": {"message": "no replica of the model is ready yet (starting, or being replaced); retry "
+                           "shortly", "type": "service_unavailable", "param": None, "code": "starting"}}
 PR_SET_PDEATHSIG = 1
 
 
@@ -80,8 +80,8 @@ def with_metrics_listeners(config: str, listeners: dict[str, list[int]]) -> str:
         name = f"k3ray-metrics-{backend}"
         routes.append(f"    use_backend {name} if {{ path {prefix.rstrip('/')}/metrics }} {{ nbsrv({name}) ge 1 }}\n")
         servers = "".join(f"    server metrics-{port} 127.0.0.1:{port} check\n" for port in sorted(ports))
-        backends.append(f"backend {name}\n    timeout connect 5s\n    timeout server 60s\n    option httpchk GET /metrics\n"
-                        f"    default-server inter 1s fall 2 rise 1\n{servers}")
+        backends.append(f"backend {name}\n    timeout connect 5s\n    timeout server 60s\n"
+                        f"    option httpchk GET /metrics\n    default-server inter 1s fall 2 rise 1\n{servers}")
     first_route = _FIRST_ROUTE.search(config)
     if not routes or first_route is None:
         return config
@@ -111,11 +111,12 @@ def without_fallback(config: str) -> str:
 def with_probes(config: str, starting_page: str) -> str:
     """HAProxy answers /health and /ready from its own view of the replicas (any server UP in an
     app backend), and, while no app exists, every path with the starting 503."""
-    apps = [b for b in _BACKEND.findall(config) if b != "default_backend" and not b.endswith("-via-ingress-request-router")]
+    apps = [b for b in _BACKEND.findall(config)
+            if b != "default_backend" and not b.endswith("-via-ingress-request-router")]
     starting = f"http-request return status 503 content-type application/json file {starting_page} hdr Retry-After 1"
     rules = [f"    acl k3ray_probe path {' '.join(PROBE_PATHS)}\n"]
-    rules += [f"    http-request return status 200 content-type text/plain string ok if k3ray_probe {{ nbsrv({b}) ge 1 }}\n"
-              for b in apps]
+    rules += [f"    http-request return status 200 content-type text/plain string ok "
+              f"if k3ray_probe {{ nbsrv({b}) ge 1 }}\n" for b in apps]
     rules.append(f"    {starting} if k3ray_probe\n")
     config = _FRONTEND_BIND_LINE.sub(lambda m: m.group() + "".join(rules), config, count=1)
     if not apps:

@@ -80,7 +80,8 @@ def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         # Ray read that variable when it was imported (before this call, in `k3ray serve`): without
         # this its node address was the machine's and its agents listened on every interface
-        ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
+        cluster_mode = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
         # Serve's 5 s for its proxy (HAProxy) to come up killed it on a busy machine
         os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_S)
         _start_local({"include_dashboard": False, "_node_ip_address": LOOPBACK, **init_kwargs})

@@ -49,7 +49,8 @@ def _file_frames(data: bytes | bytearray | memoryview, config: MediaConfig,
     image = open_image(data, config, what="video")
     count = getattr(image, "n_frames", 1)
     if budget is not None:  # every frame is decoded to find its timing
-        budget.charge(count * image.size[0] * image.size[1], f"video: {count} frames of {image.size[0]}x{image.size[1]}")
+        width, height = image.size
+        budget.charge(count * width * height, f"video: {count} frames of {width}x{height}")
     if count > config.max_source_frames:
         raise ValueError(f"video: {count} frames exceeds the limit of {config.max_source_frames}")
     decoded = count * image.size[0] * image.size[1]

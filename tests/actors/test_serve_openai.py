@@ -233,7 +233,8 @@ def test_health_ready_and_metrics_answer_in_under_100_ms_while_64_streams_run(se
         async with httpx.AsyncClient(base_url=server, timeout=600, limits=limits) as http:
             tasks = [asyncio.create_task(stream(http)) for _ in range(PROBE_STREAMS)]
             await asyncio.sleep(1)  # every stream is in: running or queued
-            probes = [await asyncio.to_thread(probe, path) for _ in range(10) for path in ("/health", "/ready", "/metrics")]
+            paths = ("/health", "/ready", "/metrics")
+            probes = [await asyncio.to_thread(probe, path) for _ in range(10) for path in paths]
             still_running = sum(not t.done() for t in tasks)
             await asyncio.gather(*tasks)
             return probes, still_running

@@ -203,7 +203,8 @@ def test_a_frame_list_over_the_pixel_budget_is_a_400_and_memory_stays_flat(http)
     video = {"type": "video_url", "video_url": {"url": [data_url(frame)] * 4}}
     before = replica_rss_mb()
     for _ in range(2):
-        body = error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": user(text_part("?"), video)}))
+        messages = user(text_part("?"), video)
+        body = error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}))
         assert body["param"] == "messages[0].content[1]" and str(MAX_REQUEST_PIXELS) in body["message"]
     grown = replica_rss_mb() - before
     print(f"replica RSS {before:.0f} MB before, {grown:+.0f} MB after two refused 4-frame videos")
