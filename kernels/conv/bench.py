@@ -29,9 +29,10 @@ def _prefill_case(T: int, D: int, device: str, label: str) -> dict[str, Any]:
     cu = torch.tensor([0, T], device=device)
     e = x.element_size()
 
-    def fla_prefill():  # zero initial window, as ours; final window returned
+    def fla_prefill():  # zero initial window, as ours; final window returned; weights in x's dtype, as fla's layer
         fn = fla_function("fla.modules.causal_conv1d", "causal_conv1d", device)
-        return lambda: fn(x[None], weight, output_final_state=True, activation="silu", cu_seqlens=cu.long())
+        w = weight.to(x.dtype)
+        return lambda: fn(x[None], w, output_final_state=True, activation="silu", cu_seqlens=cu.long())
 
     return {
         "op": "conv_prefill",
@@ -54,7 +55,8 @@ def _decode_case(N: int, D: int, device: str, label: str) -> dict[str, Any]:
     def fla_decode():  # a dense [N, D, W] window cache: fla has no slot indices
         fn = fla_function("fla.modules.causal_conv1d.ops", "causal_conv1d_update", device)
         cache = torch.zeros(N, D, WIDTH, device=device, dtype=x.dtype)
-        return lambda: fn(x, cache, weight=weight, activation="silu")
+        w = weight.to(x.dtype)
+        return lambda: fn(x, cache, weight=w, activation="silu")
 
     def naive_decode():
         _, pool[slots] = naive_causal_conv1d(x, weight, one_token_each, pool[slots])
