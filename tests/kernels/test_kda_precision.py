@@ -4,7 +4,7 @@ measured against a float64 recurrence, at T = 4096 with K3's bounded gate.
 Sizes: T = 4096 is the length the property is asked at (64 chunks, so errors carried through the
 state add up over many chunks); H = 2 heads and K = V = 64 keep the float64 reference loop and
 the fp32 recurrence to a few seconds here, and the ratio does not depend on the head count (heads
-are independent) and hardly on K (measured 1.3-1.4x at K = V = 64 and 128; 4-6x before the
+are independent) and hardly on K (measured 1.3-1.5x at K = V = 64 and 128; 4-7.5x before the
 exponent products were running products). The gate is K3's `-5 * sigmoid(...)` with gates
 spread from near 0 to the bound, as kernels/kda/bench.py and the kernel tests make them.
 """
