@@ -61,6 +61,28 @@ class Placement:
         rank[order] = torch.arange(flat.numel()) - first[flat[order]]
         return table[flat, rank % counts[flat]].view(ids.shape)
 
+    @cached_property
+    def copy_lists(self) -> list[list[int]]:
+        """copies(e) for every expert (the small steps' plain-Python path)."""
+        return [self.copies(e) for e in range(self.num_experts)]
+
+    def pair_owners_list(self, flat_ids: list[int]) -> list[int]:
+        """pair_owners for a small step's ids as a flat list (a few dozen pairs: Python beats
+        a dozen tensor ops per layer)."""
+        seen: dict[int, int] = {}
+        owners = []
+        for e in flat_ids:
+            copies = self.copy_lists[e]
+            rank = seen.get(e, 0)
+            seen[e] = rank + 1
+            owners.append(copies[rank % len(copies)])
+        return owners
+
+    @cached_property
+    def replica_tensors(self) -> list[torch.Tensor]:
+        """replicas[s] as [R] long tensors (sent with each shard's rows)."""
+        return [torch.tensor(r, dtype=torch.long) for r in self.replicas]
+
     def shard_loads(self, load: torch.Tensor) -> list[float]:
         """Per-expert load [E] -> each shard's load, an expert's load split evenly over its copies."""
         table, counts = self._tables

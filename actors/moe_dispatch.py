@@ -9,7 +9,9 @@ whole to every shard they touch), partial outputs summed.
 - "compiled": "direct" through a Ray Compiled Graph the stage compiles over its shards.
 
 The stage builds its MoE layers with RemoteExperts over one of these (the model's ExpertBackend);
-the MoERouter actor (router.py) owns the shard map and the load counts."""
+the MoERouter actor (router.py) owns the shard map, the load counts and the expert placement: with
+replicas of hot experts placed (expert_placement.py), each (row, expert) pair goes to one copy of
+its expert, the new placement taken up between steps."""
 
 from __future__ import annotations
 
@@ -75,6 +77,16 @@ def _split_over_copies(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: t
     """split for a placement with replicas: each shard gets the rows with a pair it owns
     (Placement.pair_owners), the other pairs' ids set to -1 (no expert: they add 0), and the
     replicas it computes them with (a shard may hold others, loading or dropping)."""
+    if h.numel() * h.element_size() <= BROADCAST_BYTES:  # each target gets the whole step, its pairs' ids only
+        flat = ids.flatten().tolist()
+        owners = placement.pair_owners_list(flat)
+        targets, bundles = [], []
+        for s, (_, _, shard) in enumerate(shards):
+            if s in owners or every_shard:
+                mine = torch.tensor([e if o == s else -1 for e, o in zip(flat, owners)], dtype=ids.dtype)
+                bundles.append(pack(h, mine.view(ids.shape), weights, placement.replica_tensors[s], tag=layer_idx))
+                targets.append(shard)
+        return targets, bundles, None
     owners = placement.pair_owners(ids)  # [T, k]
     rows, bundles, targets = [], [], []
     for s, (_, _, shard) in enumerate(shards):
@@ -82,8 +94,8 @@ def _split_over_copies(shards: ShardMap, layer_idx: int, h: torch.Tensor, ids: t
         r = mine.any(-1).nonzero().squeeze(-1)  # [T_s]
         if r.numel() or every_shard:
             rows.append(r)
-            replicas = torch.tensor(placement.replicas[s], dtype=torch.long)
-            bundles.append(pack(h[r], torch.where(mine[r], ids[r], -1), weights[r], replicas, tag=layer_idx))
+            bundles.append(pack(h[r], torch.where(mine[r], ids[r], -1), weights[r], placement.replica_tensors[s],
+                                tag=layer_idx))
             targets.append(shard)
     return targets, bundles, rows
 

@@ -100,9 +100,10 @@ class MoERouter:
         window = self.load - self.window_start
         self.window_start = self.load.clone()
         target = balance(self.placement, window, slots)
-        for (_, _, shard), experts in zip(self.shards, target.replicas):
-            shard.add_replicas.remote(list(experts))
-        self.pending = target
+        if target.replicas != self.placement.replicas:  # else the stage keeps what it has
+            for (_, _, shard), experts in zip(self.shards, target.replicas):
+                shard.add_replicas.remote(list(experts))
+            self.pending = target
         return {"max_over_mean_before": max_over_mean(self.placement.shard_loads(window)),
                 "max_over_mean_after": max_over_mean(target.shard_loads(window)),
                 "version": target.version, "replicas": [list(r) for r in target.replicas]}
