@@ -109,15 +109,21 @@ def without_fallback(config: str) -> str:
 
 
 def with_probes(config: str, starting_page: str) -> str:
-    """HAProxy answers /health and /ready from its own view of the replicas (any server UP in an
-    app backend), and, while no app exists, every path with the starting 503."""
+    """HAProxy answers each app's `<route prefix>health` and `<route prefix>ready` from its own view
+    of that app's replicas (a server UP in its backend), and, while no app exists, every path with
+    the starting 503."""
     apps = [b for b in _BACKEND.findall(config)
             if b != "default_backend" and not b.endswith("-via-ingress-request-router")]
     starting = f"http-request return status 503 content-type application/json file {starting_page} hdr Retry-After 1"
-    rules = [f"    acl k3ray_probe path {' '.join(PROBE_PATHS)}\n"]
-    rules += [f"    http-request return status 200 content-type text/plain string ok "
-              f"if k3ray_probe {{ nbsrv({b}) ge 1 }}\n" for b in apps]
-    rules.append(f"    {starting} if k3ray_probe\n")
+    rules, prefixes = [], set()
+    for backend, prefix in _ROUTE_ACL.findall(config):
+        paths = " ".join(prefix.rstrip("/") + path for path in PROBE_PATHS)
+        rules.append(f"    http-request return status 200 content-type text/plain string ok "
+                     f"if {{ path {paths} }} {{ nbsrv({backend}) ge 1 }}\n")
+        rules.append(f"    {starting} if {{ path {paths} }}\n")
+        prefixes.add(prefix)
+    if "/" not in prefixes:  # no app at the root (yet): its probes say starting
+        rules.append(f"    {starting} if {{ path {' '.join(PROBE_PATHS)} }}\n")
     config = _FRONTEND_BIND_LINE.sub(lambda m: m.group() + "".join(rules), config, count=1)
     if not apps:
         config = _DEFAULT_BACKEND_404.sub(lambda m: f"{m.group(1)}    {starting}\n", config, count=1)

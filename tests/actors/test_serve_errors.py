@@ -191,19 +191,21 @@ def test_oversized_body_is_413(http):
 
 
 def hold_a_stream(server: str):
-    """A streaming request that runs for several seconds; returns (response, client) after its
-    first chunk arrived, i.e. once it holds the replica."""
+    """A streaming request that runs for several seconds; returns (response, client, its line
+    iterator) after its first chunk arrived, i.e. once it holds the replica. Keep the iterator: one
+    dropped mid-stream closes the response (httpcore closes the connection on GeneratorExit)."""
     client = httpx.Client(base_url=server, headers=AUTH, timeout=120)
     req = client.build_request("POST", "/v1/completions", json={
         "model": MODEL, "prompt": "a", "max_tokens": LONG, "ignore_eos": True, "temperature": 0, "stream": True})
     resp = client.send(req, stream=True)
     assert resp.status_code == 200
-    next(resp.iter_lines())
-    return resp, client
+    lines = resp.iter_lines()
+    next(lines)
+    return resp, client, lines
 
 
 def test_overload_answers_429_with_retry_after(server, http):
-    resp, client = hold_a_stream(server)  # max_ongoing_requests=1: the replica is busy
+    resp, client, _lines = hold_a_stream(server)  # max_ongoing_requests=1: the replica is busy
     results: list[httpx.Response] = []
 
     def call():
@@ -232,7 +234,7 @@ def test_overload_answers_429_with_retry_after(server, http):
 def test_a_queue_full_of_prompt_tokens_answers_429_at_once(queue_server):
     """One stream holds the engine's only sequence; of two 10-token requests behind it, the first
     waits in the replica's queue and the second would take it past 16 tokens: a fast 429."""
-    resp, client = hold_a_stream(queue_server)
+    resp, client, _lines = hold_a_stream(queue_server)
     results: dict[int, tuple[httpx.Response, float]] = {}
 
     def call(i: int) -> None:
@@ -277,7 +279,7 @@ def wait_for_idle(http, aborted_before: float) -> dict:
 
 def test_disconnect_cancels_a_stream(server, http):
     before = metrics(http).get(ABORTED, 0)
-    resp, client = hold_a_stream(server)
+    resp, client, _lines = hold_a_stream(server)
     resp.close()
     client.close()
     m = wait_for_idle(http, before)

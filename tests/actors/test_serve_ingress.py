@@ -61,6 +61,7 @@ defaults
     errorfile 504 /tmp/e.http
 frontend http_frontend
     bind 127.0.0.1:8000
+    {route_acl}
     default_backend default_backend
 backend default_backend
     http-request return status 404 content-type text/plain lf-string "Path not found"
@@ -73,23 +74,27 @@ backend http-k3ray
 
 
 def test_private_admin_socket_json_error_pages_and_no_fallback():
-    out = k3ray_config(SERVE_PARTS + APP_BACKEND, "/run/u.http", "/run/s.json")
+    config = SERVE_PARTS.replace("{route_acl}", "acl is_http-k3ray path_beg /\n    acl is_http-queue path_beg /queue/")
+    out = k3ray_config(config + APP_BACKEND + APP_BACKEND.replace("http-k3ray", "http-queue"), "/run/u.http",
+                       "/run/s.json")
     assert "stats socket /tmp/k3serve-1-x/h/admin.sock mode 600 level admin" in out
     assert [line.split()[1:] for line in out.splitlines() if "errorfile" in line] == [
         ["502", "/run/u.http"], ["503", "/run/u.http"], ["504", "/run/u.http"]]
     assert "backup" not in out and "8500" not in out and "127.0.0.1:31234 check" in out
-    # /health and /ready from HAProxy's own view of the replicas; the starting 503 otherwise
-    assert "if k3ray_probe { nbsrv(http-k3ray) ge 1 }" in out
-    assert out.index("acl k3ray_probe path /health /ready") < out.index("default_backend default_backend")
+    # each app's health and ready from HAProxy's own view of that app's replicas; the starting 503 otherwise
+    assert "string ok if { path /health /ready } { nbsrv(http-k3ray) ge 1 }" in out
+    assert "string ok if { path /queue/health /queue/ready } { nbsrv(http-queue) ge 1 }" in out
+    starting = "http-request return status 503 content-type application/json file /run/s.json hdr Retry-After 1"
+    assert out.index(f"{starting} if {{ path /health /ready }}") < out.index("default_backend default_backend")
     assert "status 404" in out  # an app exists: unknown paths stay 404
     assert k3ray_config(out, "/run/u.http", "/run/s.json").count("errorfile") == 3
 
 
 def test_before_the_app_exists_every_path_is_the_starting_503():
-    out = k3ray_config(SERVE_PARTS, "/run/u.http", "/run/s.json")
+    out = k3ray_config(SERVE_PARTS.replace("    {route_acl}\n", ""), "/run/u.http", "/run/s.json")
     assert "status 404" not in out and "nbsrv" not in out
     starting = "http-request return status 503 content-type application/json file /run/s.json hdr Retry-After 1"
-    assert f"    {starting} if k3ray_probe\n" in out and f"backend default_backend\n    {starting}\n" in out
+    assert f"    {starting} if {{ path /health /ready }}\n" in out and f"backend default_backend\n    {starting}\n" in out
 
 
 def test_metrics_go_to_the_announced_listeners_before_the_app_routes(tmp_path):
@@ -97,8 +102,7 @@ def test_metrics_go_to_the_announced_listeners_before_the_app_routes(tmp_path):
 
     from k3ray.actors.haproxy_wrapper import announced_listeners, with_metrics_listeners
 
-    config = SERVE_PARTS.replace("    default_backend default_backend\n", "    acl is_http-k3ray path_beg /\n"
-                                 "    use_backend http-k3ray if is_http-k3ray\n    default_backend default_backend\n")
+    config = SERVE_PARTS.replace("{route_acl}", "acl is_http-k3ray path_beg /\n    use_backend http-k3ray if is_http-k3ray")
     config += APP_BACKEND
     (tmp_path / f"metrics-k3ray-{os.getpid()}.port").write_text("41000")
     (tmp_path / "metrics-k3ray-999999999.port").write_text("41001")  # its replica is gone
