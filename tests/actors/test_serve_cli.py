@@ -185,10 +185,47 @@ def non_loopback_listeners(root: psutil.Process) -> list[str]:
     return found
 
 
+class StartupWatch:
+    """Polls /ready and /v1/models on a thread until stop(); `bad` holds every answer that is not a
+    503 with Retry-After and an OpenAI error body (a 404 from an app that is not up yet, say)."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.url, self.bad, self.done = url, [], threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            for path in ("/ready", "/v1/models"):
+                try:
+                    r = httpx.get(f"{self.url}{path}", timeout=5)
+                except httpx.HTTPError:
+                    continue  # nothing listens yet
+                if r.status_code == 200:
+                    continue
+                try:
+                    has_error_body = "error" in r.json()
+                except ValueError:
+                    has_error_body = False
+                if not (r.status_code == 503 and "retry-after" in r.headers and has_error_body):
+                    self.bad.append((path, r.status_code, r.text[:200]))
+            self.done.wait(0.2)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=30)
+
+
 @pytest.mark.parametrize("ingress", ["haproxy", "proxy"])
 def test_k3ray_serve_runs_until_ctrl_c_and_leaves_nothing(tiny_checkpoint, tmp_path, ingress, wait_until_serving):
     with serve_command(tiny_checkpoint, tmp_path, "--ingress", ingress) as (proc, url, log_path, tree):
+        starting = StartupWatch(url)
         wait_until_serving(proc, url, log_path)
+        starting.stop()
+        if ingress == "haproxy":  # while it started: no answer, or a 503 that says retry; never a 404
+            assert not starting.bad, starting.bad
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         if ingress == "haproxy":  # the API port and HAProxy's stats / Prometheus ports, all on loopback
