@@ -159,7 +159,14 @@ def ctrl_c_stops_everything(proc, log_path, tree: list[psutil.Process]) -> None:
     assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
     assert "graceful_shutdown failed" not in log_path.read_text()  # a clean stop logs no killed task
     _, alive = psutil.wait_procs(tree, timeout=60)
-    assert not alive, [p.info for p in alive if p.is_running()]
+    assert not alive, [_described(p) for p in alive]
+
+
+def _described(p: psutil.Process) -> str:
+    try:
+        return f"{p.pid} {' '.join(p.cmdline())[:160]}"
+    except psutil.Error:
+        return f"{p.pid} (gone)"
 
 
 def haproxy_listeners(root: psutil.Process) -> list[str]:
