@@ -59,14 +59,15 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from k3ray.actors.ray_connect import connect  # ray.init off the repository root
+    from k3ray.actors.ray_connect import connect, neutral_cwd  # off the repository root
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
-    workers = [
-        cluster.add_node(num_cpus=8, resources={"stage_node": 100}),
-        cluster.add_node(num_cpus=16, resources={"shard_node": 100}),
-    ]
-    cluster.wait_for_nodes()
+    with neutral_cwd():  # the nodes' processes keep the directory they start in
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+        workers = [
+            cluster.add_node(num_cpus=8, resources={"stage_node": 100}),
+            cluster.add_node(num_cpus=16, resources={"shard_node": 100}),
+        ]
+        cluster.wait_for_nodes()
     connect(address=cluster.address, include_dashboard=False, log_to_driver=False)
     try:
         yield cluster, workers

@@ -66,14 +66,14 @@ def free_port() -> int:
 
 
 class Runner:
-    """Runs the README's commands in `workdir` (where `.venv` points at this checkout's venv)."""
+    """Runs the README's commands in `workdir` (where `.venv` points at the venv running this test)."""
 
     def __init__(self, workdir: Path, port: int):
         self.workdir, self.port = workdir, port
-        (workdir / ".venv").symlink_to(ROOT / ".venv")
-        venv_bin = str(ROOT / ".venv" / "bin")
-        self.env = {**os.environ, "PATH": venv_bin + os.pathsep + os.environ["PATH"],
-                    "VIRTUAL_ENV": str(ROOT / ".venv")}
+        venv = Path(sys.prefix)  # the checkout's .venv in CI; any venv k3ray is installed in elsewhere
+        (workdir / ".venv").symlink_to(venv)
+        self.env = {**os.environ, "PATH": str(venv / "bin") + os.pathsep + os.environ["PATH"],
+                    "VIRTUAL_ENV": str(venv)}
         self.env.pop("PYTHONPATH", None)
         self.server: subprocess.Popen | None = None
         self.ran: list[str] = []

@@ -21,6 +21,7 @@ import queue
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -66,8 +67,10 @@ class EngineClient:
         """Start the engine process and wait (blocking) until `factory()` has built its LLMEngine.
         factory must be picklable; an error it raises is raised here."""
         parent_end, child_end = socket.socketpair()
+        # started off the working directory: `python -m` puts it first on sys.path, and a k3ray
+        # checkout there would shadow the installed package (its kernels, actors, evals live beside it)
         process = subprocess.Popen([sys.executable, "-m", "k3ray.engine.engine_core_proc", str(child_end.fileno())],
-                                   pass_fds=(child_end.fileno(),))
+                                   pass_fds=(child_end.fileno(),), cwd=tempfile.gettempdir())
         child_end.close()
         conn = Connection(parent_end.detach())
         try:
