@@ -6,7 +6,12 @@ from __future__ import annotations
 import copyreg
 from dataclasses import dataclass, field, fields
 
-from k3ray.actors.moe_dispatch_modes import DEFAULT_MOE_DISPATCH, MOE_DISPATCH_MODES
+from k3ray.actors.moe_dispatch_modes import (
+    DEFAULT_MOE_DISPATCH,
+    DEFAULT_REBALANCE_STEPS,
+    DEFAULT_REDUNDANT_EXPERTS,
+    MOE_DISPATCH_MODES,
+)
 from k3ray.actors.wire import Bundle, pack, unpack
 from k3ray.engine.plan import BatchPlan
 
@@ -38,10 +43,8 @@ class ParallelConfig:
     # when every stage holds its own GPU and cupy is installed, else host memory; "host" = always
     # host memory (MoE rows always go through host memory: see pipeline_replica.hop_transport)
     stage_transport: str = "auto"
-    # expert balancing (expert_placement.py), with expert_parallel > 1: replica slots per shard
-    # (each MoE layer of the stage) for the hottest experts, re-placed every so many steps (0: never)
-    redundant_experts: int = 1
-    rebalance_steps: int = 64
+    redundant_experts: int = DEFAULT_REDUNDANT_EXPERTS  # see moe_dispatch_modes
+    rebalance_steps: int = DEFAULT_REBALANCE_STEPS
 
     def __post_init__(self) -> None:
         if self.pipeline < 1:

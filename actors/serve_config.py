@@ -11,7 +11,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from k3ray.actors.moe_dispatch_modes import DEFAULT_MOE_DISPATCH, MoEDispatchMode
+from k3ray.actors.moe_dispatch_modes import (
+    DEFAULT_MOE_DISPATCH,
+    DEFAULT_REBALANCE_STEPS,
+    DEFAULT_REDUNDANT_EXPERTS,
+    MoEDispatchMode,
+)
 
 APP_NAME = "k3ray"
 IMPORT_PATH = "k3ray.actors.serve_app:build_app"  # the Serve app builder
@@ -78,6 +83,11 @@ class ParallelSettings(Settings):
     moe_dispatch: MoEDispatchMode = Field(
         DEFAULT_MOE_DISPATCH, description="MoE rows from each stage straight to its shards by actor calls (direct), through "
         "the stage's router actor (router) or through a Ray Compiled Graph (compiled)")
+    redundant_experts: int = Field(
+        DEFAULT_REDUNDANT_EXPERTS, ge=0, description="with expert parallelism: replicas of the hottest experts each "
+        "shard holds per MoE layer, placed by the router from the measured load")
+    rebalance_steps: int = Field(
+        DEFAULT_REBALANCE_STEPS, ge=0, description="steps between the router's expert rebalancing; 0 = never")
 
 
 class EngineSettings(Settings):
@@ -168,7 +178,7 @@ class ServeArgs(Settings):
             stage_resources=resources(p.stage_cpus, p.stage_gpus),
             shard_resources=resources(p.shard_cpus, p.shard_gpus),
             router_resources={"CPU": p.router_cpus}, placement_strategy=p.placement_strategy,
-            moe_dispatch=p.moe_dispatch,
+            moe_dispatch=p.moe_dispatch, redundant_experts=p.redundant_experts, rebalance_steps=p.rebalance_steps,
             vision_resources=resources(p.vision_cpus, p.vision_gpus),
         )
 
