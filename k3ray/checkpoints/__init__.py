@@ -1,8 +1,8 @@
 """Checkpoints shipped inside the package, loadable by name wherever a checkpoint directory is
 taken (`K3.load`, `LLM`, `load_model`, `k3ray serve --model`, `k3ray eval --checkpoint`).
 
-k3-tiny-niah: the tiny K3 trained for retrieval by `python -m k3ray.evals.fixture.train` (its log
-is `train_log.jsonl` beside the weights), so eval scores move when a pipeline bug does.
+k3-tiny-niah: the tiny K3 trained for retrieval by `python -m k3ray.evals.fixture.train`, exported
+into this folder (`--export <this folder>/k3-tiny-niah`) with its training log beside the weights.
 """
 
 from __future__ import annotations
@@ -11,12 +11,17 @@ import os
 from importlib import resources
 
 SHIPPED = ("k3-tiny-niah",)
+TRAIN_COMMAND = "python -m k3ray.evals.fixture.train --out runs/k3-tiny-niah --export {path}"
 
 
 def shipped_checkpoint_dir(name: str) -> str:
     if name not in SHIPPED:
         raise ValueError(f"no shipped checkpoint {name!r}; shipped: {', '.join(SHIPPED)}")
-    return str(resources.files("k3ray.checkpoints") / name)
+    path = str(resources.files("k3ray.checkpoints") / name)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{name} is not in this build of k3ray; train and export it with "
+                         f"`{TRAIN_COMMAND.format(path=path)}`")
+    return path
 
 
 def checkpoint_dir(model: str | os.PathLike | None) -> str:
