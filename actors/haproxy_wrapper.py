@@ -38,7 +38,7 @@ _ALL_INTERFACES = ("*", "0.0.0.0", "::", "[::]")
 _REUSE = re.compile(r"^([ \t]*http-reuse )\w+[ \t]*$", re.MULTILINE)
 _ADMIN_SOCKET_MODE = re.compile(r"^([ \t]*stats socket \S+ mode )\d+", re.MULTILINE)
 _ERRORFILE = re.compile(r"^[ \t]*errorfile 50[234] \S+[ \t]*\n", re.MULTILINE)
-_DEFAULTS = re.compile(r"^defaults[ \t]*\n", re.MULTILINE)
+_DEFAULTS_MODE_HTTP = re.compile(r"^defaults[ \t]*\n(?:[ \t]*\n)*[ \t]*mode http[ \t]*\n", re.MULTILINE)
 _BACKUP_SERVER = re.compile(r"^[ \t]*server (\S+) \S+ check backup[ \t]*\n", re.MULTILINE)
 _BACKEND = re.compile(r"^backend (\S+)[ \t]*$", re.MULTILINE)
 _FRONTEND_BIND_LINE = re.compile(r"^frontend http_frontend\n[ \t]*bind [^\n]*\n", re.MULTILINE)
@@ -62,11 +62,19 @@ def k3ray_config(config: str, unavailable_page: str | None = None, starting_page
     config = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", _REUSE.sub(r"\1never", bind_like_frontend(config)))
     config = without_fallback(config)
     if unavailable_page is not None:
-        lines = "".join(f"    errorfile {status} {unavailable_page}\n" for status in (502, 503, 504))
-        config = _DEFAULTS.sub(lambda m: m.group() + lines, _ERRORFILE.sub("", config), count=1)
+        config = with_error_pages(config, unavailable_page)
     if starting_page is not None:
         config = with_probes(config, starting_page)
     return config
+
+
+def with_error_pages(config: str, page: str) -> str:
+    """HAProxy's own 502/503/504 answered with `page`, declared where Serve declares its own: after the
+    defaults' `mode http` (declared before it, in the tcp mode a section starts in, HAProxy kept a
+    plain request running after its client left)."""
+    lines = "".join(f"    errorfile {status} {page}\n" for status in (502, 503, 504))
+    config = _ERRORFILE.sub("", config)
+    return _DEFAULTS_MODE_HTTP.sub(lambda m: m.group() + lines, config, count=1)
 
 
 def with_metrics_listeners(config: str, listeners: dict[str, list[int]]) -> str:
