@@ -222,28 +222,33 @@ def test_health_ready_and_metrics_answer_in_under_100_ms_while_64_streams_run(se
         return int(out[0]), float(out[1])
 
     async def stream(http: httpx.AsyncClient) -> None:
-        body = {"prompt": "load", "max_tokens": 64, "ignore_eos": True, "stream": True}
+        body = {"prompt": "load", "max_tokens": 128, "ignore_eos": True, "stream": True}
         async with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             async for _ in r.aiter_lines():
                 pass
 
-    async def under_load() -> tuple[list[tuple[int, float]], int]:
+    async def under_load() -> list[tuple[int, float, int]]:
+        """(status, seconds, streams still open when it answered) per probe."""
         limits = httpx.Limits(max_connections=PROBE_STREAMS)
         async with httpx.AsyncClient(base_url=server, timeout=600, limits=limits) as http:
             tasks = [asyncio.create_task(stream(http)) for _ in range(PROBE_STREAMS)]
             await asyncio.sleep(1)  # every stream is in: running or queued
-            paths = ("/health", "/ready", "/metrics")
-            probes = [await asyncio.to_thread(probe, path) for _ in range(10) for path in paths]
-            still_running = sum(not t.done() for t in tasks)
+            probes = []
+            for _ in range(10):
+                for path in ("/health", "/ready", "/metrics"):
+                    code, seconds = await asyncio.to_thread(probe, path)
+                    probes.append((code, seconds, sum(not t.done() for t in tasks)))
             await asyncio.gather(*tasks)
-            return probes, still_running
+            return probes
 
-    probes, still_running = asyncio.run(under_load())
-    print(f"/health, /ready, /metrics under {PROBE_STREAMS} streams: max {max(t for _, t in probes) * 1000:.1f} ms")
-    assert still_running > 8, still_running  # the probes ran with the replica full and requests queued
-    assert all(code == 200 for code, _ in probes), probes
-    assert max(t for _, t in probes) < 0.1, probes
+    probes = asyncio.run(under_load())
+    loaded = [(code, t) for code, t, open_streams in probes if open_streams > 8]  # replica full, requests queued
+    print(f"/health, /ready, /metrics under {PROBE_STREAMS} streams: {len(loaded)} probes under full load, "
+          f"max {max(t for _, t in loaded) * 1000 if loaded else float('nan'):.1f} ms")
+    assert len(loaded) >= 6, probes  # the load outlasted two rounds of probes at least
+    assert all(code == 200 for code, _, _ in probes), probes
+    assert max(t for _, t in loaded) < 0.1, loaded
 
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
