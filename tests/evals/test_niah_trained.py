@@ -1,0 +1,45 @@
+"""k3-tiny-niah retrieves, so these scores fail on a real pipeline bug (a needle at the wrong depth,
+a lost cache page, a wrong KDA snapshot): niah exact match over 3 depths x 10 samples per length,
+seed 0, through the in-process engine; a prefix-cache hit, a cold cache, chunked prefill that splits
+the haystack and n-gram speculative decoding all give the plain run's predictions."""
+
+import pytest
+
+from k3ray.engine import LLM
+from k3ray.engine.config import SpeculativeConfig
+from k3ray.evals.engine_target import EngineTarget
+
+ENGINE = {"max_model_len": 4608, "cache_memory_bytes": 256 << 20}
+# measured on the shipped checkpoint: 0.90, 0.87, 0.77 (30 cells each); floors leave 0.1 for CPU
+# rounding across machines, far above what a broken pipeline scores (0)
+NIAH_FLOORS = {1024: 0.8, 2048: 0.75, 4096: 0.65}
+
+
+@pytest.fixture(scope="module")
+def plain(trained_checkpoint) -> EngineTarget:
+    return EngineTarget(LLM(trained_checkpoint, **ENGINE))
+
+
+def test_niah_at_1k_2k_4k(plain, trained_grid, tmp_path):
+    scores, _ = trained_grid(plain, tmp_path, "niah", tuple(NIAH_FLOORS), samples=10)
+    assert all(scores[n] >= floor for n, floor in NIAH_FLOORS.items()), scores
+
+
+@pytest.mark.parametrize("variant", ["prefix_cache_hit", "cold", "chunked_prefill", "speculative"])
+def test_engine_features_give_the_plain_predictions(plain, trained_checkpoint, trained_grid, tmp_path, variant):
+    scores, want = trained_grid(plain, tmp_path / "plain", "niah", (2048,), samples=3)
+    assert scores[2048] >= 0.5, scores  # the comparison means something only if it retrieves
+    if variant == "prefix_cache_hit":
+        target = plain  # the same prompts again: every prefill resumes from cached blocks and snapshots
+        hits_before = plain.engine.get_stats().prefix_cache_hits
+    else:
+        options = {
+            "cold": {"enable_prefix_caching": False},
+            "chunked_prefill": {"max_num_batched_tokens": 384},  # splits every 2K haystack into chunks
+            "speculative": {"speculative": SpeculativeConfig(method="ngram", num_speculative_tokens=4)},
+        }[variant]
+        target = EngineTarget(LLM(trained_checkpoint, **{**ENGINE, **options}))
+    _, got = trained_grid(target, tmp_path / variant, "niah", (2048,), samples=3)
+    assert got == want
+    if variant == "prefix_cache_hit":
+        assert plain.engine.get_stats().prefix_cache_hits > hits_before
