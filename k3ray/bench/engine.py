@@ -99,7 +99,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 
 def bench_batching(model, args) -> dict[str, Any]:
-    from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
+    from k3ray.engine import LLM, SamplingParams
 
     prompts = _prompts(args.concurrency, args.batch_prompt_tokens, 0)
     per_seq = args.batch_prompt_tokens + args.batch_max_tokens
@@ -124,7 +124,7 @@ def bench_graphs(model, args) -> dict[str, Any]:
     import torch
 
     from k3ray.bench.model import graph_decode_seconds
-    from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
+    from k3ray.engine import LLM, SamplingParams
 
     streams, steps = args.concurrency, args.graph_max_tokens
     prompts = _prompts(streams, 8, 5)
@@ -148,7 +148,7 @@ def bench_graphs(model, args) -> dict[str, Any]:
 
 
 def bench_prefix(model, args) -> dict[str, Any]:
-    from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
+    from k3ray.engine import LLM, SamplingParams
 
     n, shared = args.prefix_prompt_tokens, int(args.prefix_prompt_tokens * args.prefix_shared)
     stride = args.snapshot_interval * args.block_size
@@ -201,7 +201,7 @@ def bench_spec(args) -> dict[str, Any]:
 def bench_long_prompt(model, args) -> dict[str, Any]:
     import torch
 
-    from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
+    from k3ray.engine import LLM, SamplingParams
 
     n = args.long_prompt_tokens
     llm = LLM(model, max_num_seqs=1, block_size=args.block_size, num_blocks=_blocks(n + 2, args.block_size),

@@ -7,7 +7,6 @@ every other id is reserved.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from k3ray.tokenizer import special as sp
