@@ -8,6 +8,9 @@ either bound is turned away at once with a 429 and a Retry-After of about the ex
     admission.started(ticket)                      # its first output: it left the queue
     admission.finish(ticket)                       # always (idempotent)
 
+`on_started(wait_s)` hears each request's wait from admission to its first output (its time to
+first token in this replica).
+
 A request waits from admission to its first output. The replica's throughput is measured as the
 prompt tokens that left the queue per second of time the queue was not empty (a decaying average),
 so an idle replica does not look slow.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from k3ray.actors.openai_errors import APIError, retry_after_header
@@ -28,16 +32,18 @@ MAX_RETRY_AFTER_S = 60.0
 @dataclass
 class Ticket:
     tokens: int
+    admitted_s: float = 0.0
     waiting: bool = True
 
 
 class Admission:
     def __init__(self, max_queued_tokens: int | None, max_queue_wait_s: float | None, retry_after_s: float,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, on_started: Callable[[float], None] | None = None) -> None:
         self.max_queued_tokens = max_queued_tokens
         self.max_queue_wait_s = max_queue_wait_s
         self.retry_after_s = retry_after_s
         self.clock = clock
+        self.on_started = on_started
         self.queued_tokens = 0
         self._served_tokens = 0.0  # decayed: tokens that left the queue
         self._busy_s = 0.0  # decayed: seconds the queue was not empty
@@ -72,13 +78,15 @@ class Admission:
         """Queue a request (check() it first): it waits until started() or finish()."""
         self._advance()
         self.queued_tokens += tokens
-        return Ticket(tokens)
+        return Ticket(tokens, self._last)
 
     def started(self, ticket: Ticket) -> None:
         if ticket.waiting:
             self._advance()
             self._served_tokens += ticket.tokens
             self._leave(ticket)
+            if self.on_started is not None:
+                self.on_started(self._last - ticket.admitted_s)
 
     def finish(self, ticket: Ticket) -> None:
         if ticket.waiting:

@@ -23,6 +23,8 @@ from ray import serve
 from ray.serve import Application
 
 from k3ray.actors.admission import Admission
+from k3ray.actors.llm_autoscaling import serve_autoscaling_config
+from k3ray.actors.load_signals import LoadSignals
 from k3ray.actors.metrics_listener import MetricsListener, runtime_dir
 from k3ray.actors.openai_routes import build_openai_app
 from k3ray.actors.openai_serving import OpenAIServing
@@ -57,7 +59,9 @@ class K3Server:
         self.metrics_listener = None if runtime_dir() is None else \
             MetricsListener(self.metrics.render_now, serve.get_replica_context().app_name)
         server = self.args.server
-        admission = Admission(server.max_queued_tokens or None, server.max_queue_wait_s or None, server.retry_after_s)
+        self.load_signals = LoadSignals(window_s=self.args.autoscaling.look_back_period_s)
+        admission = Admission(server.max_queued_tokens or None, server.max_queue_wait_s or None, server.retry_after_s,
+                              on_started=self.load_signals.observe_ttft)
         self.serving = OpenAIServing(self.engine, tokenizer, server.served_model_name, self.metrics, admission)
         logger.info("K3Server ready: %s, max_model_len %d, %s", self.args.server.served_model_name,
                     self.engine.info.max_model_len, type(self.executor or self.engine).__name__)
@@ -86,6 +90,10 @@ class K3Server:
         if not ok:
             raise RuntimeError(detail)
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook: this replica's load for the llm autoscaling policy (load_signals.py)."""
+        return self.load_signals.report(self.engine.get_stats(), self.serving.admission.queued_tokens)
+
     async def __del__(self) -> None:
         """Serve stops the replica: end its requests, then its engine process or model actors."""
         if getattr(self, "metrics_listener", None) is not None:
@@ -104,7 +112,7 @@ def deployment_options(args: ServeArgs) -> dict:
 
     scaling, server, parallel = args.autoscaling, args.server, args.parallel
     options = {
-        "autoscaling_config": scaling.model_dump(exclude_none=True),  # Serve's AutoscalingConfig fields
+        "autoscaling_config": serve_autoscaling_config(scaling),
         "max_ongoing_requests": server.max_ongoing_requests or args.engine.max_num_seqs,
         "max_queued_requests": server.max_queued_requests,
         "ray_actor_options": {"num_cpus": parallel.replica_cpus, "num_gpus": parallel.replica_gpus},

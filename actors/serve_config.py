@@ -111,12 +111,21 @@ class EngineSettings(Settings):
 
 
 class AutoscalingSettings(Settings):
-    """Serve's autoscaling: whole pipelines are added and removed."""
+    """Serve's autoscaling: whole pipelines are added and removed, on LLM signals (queued prompt tokens,
+    cache usage, time to first token) or on ongoing requests."""
 
+    autoscale_policy: Literal["llm", "ongoing-requests"] = Field(
+        "llm", description="what sizes the replicas: queued prompt tokens, cache usage and TTFT per replica "
+        "(llm, actors/llm_autoscaling.py), or Serve's ongoing requests per replica (ongoing-requests)")
+    autoscale_ttft_ms: float = Field(
+        2000.0, gt=0, description="llm policy: p90 time to first token (in the replica) it adds replicas to stay under")
+    autoscale_queued_tokens: int = Field(
+        16384, ge=1, description="llm policy: prompt tokens waiting per replica it sizes the replicas for")
     min_replicas: int = Field(1, ge=0, description="fewest replicas")
     max_replicas: int = Field(1, ge=1, description="most replicas (= min_replicas: no autoscaling)")
     initial_replicas: int | None = Field(None, ge=0, description="replicas at start; null = min_replicas")
-    target_ongoing_requests: float = Field(2.0, gt=0, description="ongoing requests per replica autoscaling aims at")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="ongoing-requests policy: ongoing requests per replica it aims at")
     upscale_delay_s: float = Field(30.0, ge=0, description="load above target this long adds replicas")
     downscale_delay_s: float = Field(600.0, ge=0, description="load below target this long removes replicas")
     metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas report their load")

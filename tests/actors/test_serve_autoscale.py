@@ -1,4 +1,5 @@
-"""Autoscaling whole model pipelines: each replica is an expert-parallel pipeline (a stage, a MoE
+"""Autoscaling whole model pipelines on ongoing requests (Serve's policy; the llm policy is in
+test_serve_llm_autoscale.py): each replica is an expert-parallel pipeline (a stage, a MoE
 router and two expert shards as Ray actors in the replica's own placement group). A burst of
 requests scales to 2 replicas and the quiet after it back to 1, with no actor or placement group
 left behind."""
@@ -43,7 +44,8 @@ def cluster(tiny_checkpoint):
             "model": {"model": tiny_checkpoint},
             "parallel": {"expert_parallel": 2, "replica_cpus": 0.5, "stage_cpus": 0.5, "shard_cpus": 0.5,
                          "router_cpus": 0.25},
-            "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
+            "autoscaling": {"autoscale_policy": "ongoing-requests", "min_replicas": 1, "max_replicas": 2,
+                            "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
                             "downscale_delay_s": 2, "metrics_interval_s": 0.5, "look_back_period_s": 2},
             "engine": {"max_model_len": 256, "cache_memory_mb": 16, "max_num_seqs": 4},
         }, port=free_port(), proxy_location="HeadOnly")

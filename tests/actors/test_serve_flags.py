@@ -30,7 +30,7 @@ FLAGS = {
     "--max-queued-requests", "--retry-after-s", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--block-size", "--cache-memory-mb", "--enable-prefix-caching", "--speculative-ngram", "--seed",
     "--max-queued-tokens", "--max-queue-wait-s", "--max-request-pixels", "--device", "--enforce-eager",
-    "--redundant-experts", "--rebalance-steps",
+    "--redundant-experts", "--rebalance-steps", "--autoscale-policy", "--autoscale-ttft-ms", "--autoscale-queued-tokens",
 }
 GROUPS = [LAUNCH_GROUP, "server", "model", "parallel", "engine", "autoscaling", "media"]
 
