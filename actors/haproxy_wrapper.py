@@ -50,6 +50,7 @@ _PORT_FILE = re.compile(r"^metrics-(.+)-(\d+)\.port$")
 UNAVAILABLE_FILE = "k3ray-unavailable.http"
 STARTING_FILE = "k3ray-starting.json"
 PROBE_PATHS = ("/health", "/ready")
+PROBE_HEADER = "X-K3ray-Answered-By"  # "ingress" on probes HAProxy answers itself (a replica's answer lacks it)
 STARTING_BODY = {"error": {"message": "no replica of the model is ready yet (starting, or being replaced); retry "
                            "shortly", "type": "service_unavailable", "param": None, "code": "starting"}}
 PR_SET_PDEATHSIG = 1
@@ -126,7 +127,7 @@ def with_probes(config: str, starting_page: str) -> str:
     rules, prefixes = [], set()
     for backend, prefix in _ROUTE_ACL.findall(config):
         paths = " ".join(prefix.rstrip("/") + path for path in PROBE_PATHS)
-        rules.append(f"    http-request return status 200 content-type text/plain string ok "
+        rules.append(f"    http-request return status 200 content-type text/plain string ok hdr {PROBE_HEADER} ingress "
                      f"if {{ path {paths} }} {{ nbsrv({backend}) ge 1 }}\n")
         rules.append(f"    {starting} if {{ path {paths} }}\n")
         prefixes.add(prefix)

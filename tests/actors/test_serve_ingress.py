@@ -82,8 +82,8 @@ def test_private_admin_socket_json_error_pages_and_no_fallback():
         ["502", "/run/u.http"], ["503", "/run/u.http"], ["504", "/run/u.http"]]
     assert "backup" not in out and "8500" not in out and "127.0.0.1:31234 check" in out
     # each app's health and ready from HAProxy's own view of that app's replicas; the starting 503 otherwise
-    assert "string ok if { path /health /ready } { nbsrv(http-k3ray) ge 1 }" in out
-    assert "string ok if { path /queue/health /queue/ready } { nbsrv(http-queue) ge 1 }" in out
+    assert "string ok hdr X-K3ray-Answered-By ingress if { path /health /ready } { nbsrv(http-k3ray) ge 1 }" in out
+    assert "string ok hdr X-K3ray-Answered-By ingress if { path /queue/health /queue/ready } { nbsrv(http-queue) ge 1 }" in out
     starting = "http-request return status 503 content-type application/json file /run/s.json hdr Retry-After 1"
     assert out.index(f"{starting} if {{ path /health /ready }}") < out.index("default_backend default_backend")
     assert "status 404" in out  # an app exists: unknown paths stay 404
