@@ -49,6 +49,8 @@ def ingress_environment(ingress: str) -> dict[str, str]:
     # the machine would fail to start, so unset ones get free ports
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
         env[name] = os.environ.get(name) or str(free_port())
+    # Serve's 4 HAProxy threads on fewer cores only contend (HAProxy advises no more threads than cores)
+    env["RAY_SERVE_HAPROXY_NBTHREAD"] = os.environ.get("RAY_SERVE_HAPROXY_NBTHREAD") or str(min(4, os.cpu_count() or 1))
     return env
 
 

@@ -145,5 +145,6 @@ def test_ingress_environment(monkeypatch):
     # free ports unless set, so a second server on the machine does not collide on 8404 / 9101
     stats, metrics = int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])
     assert stats > 0 and metrics > 0
+    assert 1 <= int(env["RAY_SERVE_HAPROXY_NBTHREAD"]) <= min(4, os.cpu_count())
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
     assert ingress_environment("haproxy")["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
