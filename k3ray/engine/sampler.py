@@ -13,11 +13,15 @@ from k3ray.sampling_params import SamplingParams
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [..., V] -> the distribution tokens are drawn from: fp32 probs [..., V] after
-    temperature, top-k, top-p and min-p (greedy params give the one-hot argmax)."""
+    temperature, then min-p (against the whole tempered distribution), top-k and top-p, vLLM's
+    order (greedy params give the one-hot argmax)."""
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     x = logits / params.temperature
+    if params.min_p > 0.0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if params.top_k != -1 and params.top_k < x.shape[-1]:
         kth = x.topk(params.top_k, -1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -27,11 +31,7 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop_sorted = (p.cumsum(-1) - p) >= params.top_p  # keep the smallest set reaching top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
-    probs = x.softmax(-1)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return x.softmax(-1)
 
 
 def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,9 @@ def test_filters_keep_the_documented_sets():
     assert (sampling_probs(logits, SamplingParams(top_p=0.8)) > 0).sum() == 3
     # min_p 0.2 keeps p >= 0.1
     assert (sampling_probs(logits, SamplingParams(min_p=0.2)) > 0).tolist() == [True, True, True, False, False]
+    # min_p before top_p (vLLM's order): min_p 0.25 leaves 0.5 / 0.25 / 0.15, renormalised 0.56 / 0.28 /
+    # 0.17, and top_p 0.8 then keeps two; top_p first would keep three (0.5 + 0.25 < 0.8) and min_p all three
+    assert (sampling_probs(logits, SamplingParams(min_p=0.25, top_p=0.8)) > 0).tolist() == [True, True, False, False, False]
     probs = sampling_probs(logits, SamplingParams(temperature=1.0))
     torch.testing.assert_close(probs, torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
     assert math.isclose(float(sampling_probs(logits, SamplingParams(temperature=0.5, top_k=3)).sum()), 1.0, rel_tol=1e-6)
