@@ -25,7 +25,8 @@ from k3ray.engine.llm import LLM
 from k3ray.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
 
 
 @register_model("k3ray")

@@ -98,8 +98,11 @@ def test_bad_arguments_are_refused(tiny_checkpoint, results):
     with pytest.raises(ValueError, match="dtype"):
         lm_eval_model.K3RayLM(pretrained=tiny_checkpoint, dtype="float8")
     lm = lm_eval_model.K3RayLM(pretrained=tiny_checkpoint, max_model_len=256)
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        lm._sampling_params({"until": ["\n"], "repetition_penalty": 1.2})
+    with pytest.raises(ValueError, match="num_beams"):
+        lm._sampling_params({"until": ["\n"], "num_beams": 4})
+    penalised = lm._sampling_params({"until": ["\n"], "do_sample": True, "repetition_penalty": 1.2,
+                                     "presence_penalty": 0.5, "frequency_penalty": 0.25})
+    assert (penalised.repetition_penalty, penalised.presence_penalty, penalised.frequency_penalty) == (1.2, 0.5, 0.25)
     assert lm_eval_model.K3RayLM(pretrained=lm.llm).max_length == 256  # an LLM is reused as it is
     with pytest.raises(ValueError, match="only apply when pretrained is a path"):
         lm_eval_model.K3RayLM(pretrained=lm.llm, max_num_seqs=4)
