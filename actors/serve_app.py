@@ -23,14 +23,16 @@ from ray import serve
 from ray.serve import Application
 
 from k3ray.actors.admission import Admission
+from k3ray.actors.ingress_router import K3IngressRouter
 from k3ray.actors.llm_autoscaling import serve_autoscaling_config
 from k3ray.actors.load_signals import LoadSignals
 from k3ray.actors.metrics_listener import MetricsListener, runtime_dir
 from k3ray.actors.openai_routes import build_openai_app
 from k3ray.actors.openai_serving import OpenAIServing
+from k3ray.actors.prefix_affinity_router import PREFIXES_STAT, PrefixAffinityRouter
 from k3ray.actors.replica_bundles import replica_bundles
 from k3ray.actors.serve_config import ServeArgs
-from k3ray.actors.serve_engine import build_engine, local_engine
+from k3ray.actors.serve_engine import build_engine, engine_config, local_engine
 from k3ray.actors.serve_metrics import ServeMetrics
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
@@ -94,6 +96,11 @@ class K3Server:
         """Serve's hook: this replica's load for the llm autoscaling policy (load_signals.py)."""
         return self.load_signals.report(self.engine.get_stats(), self.serving.admission.queued_tokens)
 
+    def record_routing_stats(self) -> dict:
+        """Serve's hook (pulled every routing.routing_stats_period_s): the prefixes this replica's
+        cache can resume from, for prefix-affinity routing."""
+        return {PREFIXES_STAT: self.engine.get_stats().cached_prefixes}
+
     async def __del__(self) -> None:
         """Serve stops the replica: end its requests, then its engine process or model actors."""
         if getattr(self, "metrics_listener", None) is not None:
@@ -119,6 +126,14 @@ def deployment_options(args: ServeArgs) -> dict:
     }
     if server.max_queued_requests >= 0:
         options["backpressure_config"] = BackpressureConfig(status_code=429, retry_after_s=server.retry_after_s)
+    if affinity_routing(args):
+        from ray.serve.config import RequestRouterConfig
+
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter,
+            request_router_kwargs={"max_imbalance": args.routing.affinity_max_imbalance,
+                                   "snapshot_interval": engine_config(args).snapshot_interval},
+            request_routing_stats_period_s=args.routing.routing_stats_period_s)
     if args.distributed:
         options["placement_group_bundles"] = replica_bundles(args)
         options["placement_group_strategy"] = parallel.placement_strategy
@@ -128,4 +143,17 @@ def deployment_options(args: ServeArgs) -> dict:
 def build_app(args: dict) -> Application:
     """Serve app builder (import path `k3ray.actors.serve_app:build_app`)."""
     resolved = ServeArgs.model_validate(dict(args or {})).resolved()
-    return K3Server.options(**deployment_options(resolved)).bind(resolved.model_dump())
+    app = K3Server.options(**deployment_options(resolved)).bind(resolved.model_dump())
+    if not affinity_routing(resolved):
+        return app
+    # HAProxy asks this deployment for each request's replica (Serve's own hook for it)
+    router = K3IngressRouter.bind(app, resolved.model.tokenizer or resolved.model.model, resolved.engine.block_size)
+    return app._with_ingress_request_router(router)
+
+
+def affinity_routing(args: ServeArgs) -> bool:
+    """Prefix-affinity routing applies: asked for, more than one replica possible, and HAProxy in
+    front (Serve's proxy passes the replicas no request body to route on)."""
+    from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+
+    return args.routing.request_router == "affinity" and args.autoscaling.max_replicas > 1 and RAY_SERVE_ENABLE_HA_PROXY

@@ -140,6 +140,21 @@ class AutoscalingSettings(Settings):
         return self
 
 
+class RoutingSettings(Settings):
+    """Which replica a request goes to: the one whose prefix cache holds most of its prompt
+    (affinity), or the least loaded (Serve's default)."""
+
+    request_router: Literal["affinity", "default"] = Field(
+        "affinity", description="with several replicas behind the haproxy ingress: affinity sends a request to the "
+        "replica whose prefix cache holds the longest part of its prompt (a conversation's turns to one replica), "
+        "unless that replica is overloaded; default: by load alone (Serve's proxy ingress always routes so)")
+    affinity_max_imbalance: int = Field(
+        4, ge=0, description="affinity: requests the cache-holding replica may have beyond the least-loaded one "
+        "before a request goes to the least loaded instead")
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="affinity: how often each replica reports the prefixes its cache can resume from")
+
+
 class MediaSettings(Settings):
     """Images and videos in chat requests (a checkpoint with a vision tower)."""
 
@@ -161,6 +176,7 @@ class ServeArgs(Settings):
     parallel: ParallelSettings = Field(default_factory=ParallelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
     media: MediaSettings = Field(default_factory=MediaSettings)
 
     @property

@@ -17,6 +17,8 @@ from typing import get_args
 import ray
 from ray import serve
 from ray._private import ray_constants
+from ray.serve._private import build_app as serve_build_app
+from ray.serve._private import constants as serve_constants
 
 from k3ray.actors.ray_connect import connect  # ray.init off the repository root
 from k3ray.actors.serve_app import build_app
@@ -44,7 +46,9 @@ def ingress_environment(ingress: str) -> dict[str, str]:
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": os.environ.get(
                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", DRAIN_S),
            # HAProxy answers /health and /ready from its checks of the replicas: every second, not 5
-           "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": os.environ.get("RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER", CHECK_INTER)}
+           "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": os.environ.get("RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER", CHECK_INTER),
+           # HAProxy passes each POST body to the ingress router, which routes on the prompt's prefix
+           "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
     # HAProxy's stats and Prometheus ports are fixed (8404, 9101) unless set: a second server on
     # the machine would fail to start, so unset ones get free ports
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
@@ -76,6 +80,8 @@ def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init
         return False
     if address is None:
         os.environ.update(ingress_environment(ingress))  # Ray's processes inherit it from here
+        # Serve read it when imported, and checks an app's ingress request router against it here
+        serve_constants.RAY_SERVE_ENABLE_HA_PROXY = serve_build_app.RAY_SERVE_ENABLE_HA_PROXY = ingress == "haproxy"
         os.environ.update(isolation_environment(make_runtime_dir()))  # this server's own ports and files
         # node address 127.0.0.1: every connection stays on loopback, Ray's agents and exporters
         # bind to it (not 0.0.0.0)

@@ -165,6 +165,12 @@ class CacheManager:
             self.blocks.register(seq.block_table[i], hashes[i])
         seq.num_registered_blocks = n
 
+    def resumable_prefixes(self) -> frozenset[bytes]:
+        """Chain hashes of the prefixes a hit can resume from now: a written snapshot whose last
+        block is still cached (what the replica reports for prefix-affinity routing)."""
+        cached = self.blocks.by_hash
+        return frozenset(key for key in self.states.valid if key in cached)
+
     def reset_prefix_cache(self) -> None:
         self.blocks.clear_cache()
         self.states.clear_snapshots()

@@ -335,6 +335,7 @@ class LLMEngine:
             cache=self.cache.usage(),
             prefix_cache_queries=self.cache.prefix_queries,
             prefix_cache_hits=self.cache.prefix_hits,
+            cached_prefixes=self.cache.resumable_prefixes(),
         )
 
     def reset_prefix_cache(self) -> None:

@@ -32,6 +32,7 @@ class EngineStats:
     ttft_p99_s: float | None
     tpot_mean_s: float | None
     media_items_encoded: int = 0  # images / videos through the vision encoder
+    cached_prefixes: frozenset[bytes] = frozenset()  # CacheManager.resumable_prefixes()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

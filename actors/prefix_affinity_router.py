@@ -1,0 +1,120 @@
+"""Prefix-affinity replica routing: a request goes to the replica whose prefix cache holds the
+longest leading part of its prompt, so the turns of a conversation (and prompts that share a
+prefix) resume from one replica's cache instead of hitting it 1/N of the time.
+
+    K3Server.options(request_router_config=affinity_router_config(args))   # serve_app.py
+
+The request's prefix is the engine's own chain hashes of its full token blocks (block_pool.hash_block,
+computed by the ingress router, ingress_router.py). What each replica holds comes from two places:
+- the replica's report (K3Server.record_routing_stats, pulled by Serve's controller every
+  routing_stats_period_s): the chain hashes its cache can resume from, i.e. written KDA / conv
+  snapshots whose MLA block is still cached (CacheManager.resumable_prefixes);
+- between reports, where this router sent each prompt: the block boundaries that replica snapshots
+  (every snapshot_interval blocks and the prompt's last full block), forgotten after provisional_ttl_s.
+The target is the replica with the longest match. It is passed over for the least-loaded replica
+when it is full or its queue (Serve's ongoing requests, probed) exceeds the least-loaded one's by
+more than max_imbalance. A prompt that matches nothing goes to the least-loaded replica, ties to
+the one holding fewer prefixes (so unrelated conversations spread).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence, Set
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+PREFIXES_STAT = "k3ray_resumable_prefixes"  # routing_stats key: the replica's resumable chain hashes
+HASHES_KWARG = "prefix_hashes"  # choose_replica kwarg: the request's block chain hashes, in order
+DEFAULT_MAX_IMBALANCE = 4
+DEFAULT_PROVISIONAL_TTL_S = 30.0
+PROVISIONAL_LIMIT = 65536  # remembered hashes per replica, oldest dropped first
+
+
+def match_depth(chain: Sequence[bytes], held: Set[bytes]) -> int:
+    """How many leading blocks of `chain` a replica holding `held` resumes from (0: none)."""
+    for i in range(len(chain) - 1, -1, -1):
+        if chain[i] in held:
+            return i + 1
+    return 0
+
+
+def pick_replica(chain: Sequence[bytes], held: Mapping[Hashable, Set[bytes]], queue: Mapping[Hashable, int],
+                 capacity: Mapping[Hashable, int], max_imbalance: int, rng: random.Random = random) -> Hashable:
+    """The replica for a request whose block chain is `chain`: the longest match unless it is full
+    (while another is not) or more than max_imbalance requests behind the least loaded, else the
+    least loaded (ties: fewer prefixes held, then chance). `queue` holds the replicas that answered a probe (all are
+    candidates); `held` and `capacity` cover at least those."""
+    assert queue, "no replica to choose from"
+    least = min(queue.values())
+    room = any(queue[r] < capacity[r] for r in queue)  # all full: the request queues wherever it goes
+
+    def free(r) -> bool:
+        return (queue[r] < capacity[r] or not room) and queue[r] - least <= max_imbalance
+
+    depth = {r: match_depth(chain, held.get(r, frozenset())) for r in queue}
+    deepest = max(depth.values())
+    affine = [r for r in queue if deepest and depth[r] == deepest and free(r)]
+    pool = affine or list(queue)
+    return min(pool, key=lambda r: (queue[r], len(held.get(r, ())), rng.random()))
+
+
+def snapshot_boundaries(chain: Sequence[bytes], snapshot_interval: int) -> list[bytes]:
+    """The hashes of `chain` the engine snapshots when it runs the prompt: every snapshot_interval
+    blocks and the last full block (CacheManager.next_boundary)."""
+    picked = [h for i, h in enumerate(chain) if (i + 1) % snapshot_interval == 0]
+    if chain and (not picked or picked[-1] != chain[-1]):
+        picked.append(chain[-1])
+    return picked
+
+
+class PrefixAffinityRouter(RequestRouter):
+    def initialize_state(self, max_imbalance: int = DEFAULT_MAX_IMBALANCE, snapshot_interval: int = 64,
+                         provisional_ttl_s: float = DEFAULT_PROVISIONAL_TTL_S) -> None:
+        self.max_imbalance = max_imbalance
+        self.snapshot_interval = snapshot_interval
+        self.provisional_ttl_s = provisional_ttl_s
+        self._sent: dict[ReplicaID, OrderedDict[bytes, float]] = {}  # hash -> when it was sent there
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """One replica, in a rank of its own (with `_reserve=False` Serve takes the first as is)."""
+        if not candidate_replicas:
+            return []
+        chain = list((pending_request.kwargs.get(HASHES_KWARG) if pending_request else None) or ())
+        probed = await self._probe_queue_lens(candidate_replicas, 0)
+        queue = {r.replica_id: n for r, n in probed if n is not None}
+        if not queue:  # no replica answered in time: route on the prefix alone
+            queue = {r.replica_id: 0 for r in candidate_replicas}
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        held = {rid: self._held(by_id[rid]) for rid in queue}
+        capacity = {rid: by_id[rid].max_ongoing_requests for rid in queue}
+        chosen = pick_replica(chain, held, queue, capacity, self.max_imbalance)
+        self._remember(chosen, snapshot_boundaries(chain, self.snapshot_interval))
+        return [[by_id[chosen]]]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        for gone in set(self._sent) - {r.replica_id for r in replicas}:
+            del self._sent[gone]
+
+    def _held(self, replica: RunningReplica) -> frozenset[bytes]:
+        reported = replica.routing_stats.get(PREFIXES_STAT, ())
+        sent = self._sent.get(replica.replica_id)
+        if not sent:
+            return frozenset(reported)
+        horizon = time.monotonic() - self.provisional_ttl_s
+        while sent and next(iter(sent.values())) < horizon:
+            sent.popitem(last=False)
+        return frozenset(reported).union(sent)
+
+    def _remember(self, replica_id: ReplicaID, hashes: list[bytes]) -> None:
+        sent = self._sent.setdefault(replica_id, OrderedDict())
+        now = time.monotonic()
+        for h in hashes:
+            sent.pop(h, None)
+            sent[h] = now
+        while len(sent) > PROVISIONAL_LIMIT:
+            sent.popitem(last=False)
