@@ -71,6 +71,16 @@ def test_items_use_the_eval_templates_and_the_readers_answer():
         assert answer.startswith(" ") and all(ref in answer for ref in ex.references)
 
 
+def test_recall_items_answer_the_asked_key_s_value():
+    tok, rng = ByteTokenizer(), random.Random(0)
+    for _ in range(20):
+        ex = data.make_example(data.RECALL_TASK, 0, rng, tok)
+        pairs, asked = tok.decode(ex.prompt).split(" | ")
+        table = dict(pair.split(": ") for pair in pairs.rstrip(".").split(". "))
+        assert asked.endswith(":") and 2 <= len(table) <= 8
+        assert tok.decode(ex.answer[:-1]) == " " + table[asked[:-1]] and ex.references == (table[asked[:-1]],)
+
+
 def test_a_few_steps_lower_the_loss_and_resume_exactly(tmp_path):
     whole, halves = tmp_path / "whole", tmp_path / "halves"
     main(["--out", str(whole), "--steps", "8", *TINY_RUN])
