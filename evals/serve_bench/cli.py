@@ -57,6 +57,11 @@ def _rate(rate: float) -> float | str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k3ray.evals.serve_bench import ramp
+
+    parser.add_argument("--workload", choices=("levels", "ramp"), default="levels",
+                        help="levels: throughput and latency per --concurrency level against the in-process engine; "
+                        "ramp: autoscaling under a ramp of load, the llm policy vs ongoing requests (ramp.py)")
     parser.add_argument("--endpoint", help="server URL (default: start k3ray's Serve app on 127.0.0.1)")
     parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                         help="without --endpoint: HAProxy + each replica's own HTTP server, or Serve's proxy actor")
@@ -69,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine runs")
     parser.add_argument("--dataset", choices=datasets.DATASETS, default="random",
                         help="random token ids, or long prompts of the bundled text (default random)")
-    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens (mean)")
-    parser.add_argument("--output-len", type=int, default=16, help="generated tokens (mean; EOS ignored)")
+    parser.add_argument("--input-len", type=int, help="prompt tokens (mean; default 32, ramp 2048)")
+    parser.add_argument("--output-len", type=int, help="generated tokens (mean; EOS ignored; default 16, ramp 8)")
     parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * (1 +- ratio)")
     parser.add_argument("--num-prompts", type=int, help="requests per level (default: 2 x concurrency, at least 4)")
     parser.add_argument("--concurrency", default="1,8,64", help="levels: most requests in flight (inf: no cap)")
@@ -86,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival gaps")
     parser.add_argument("--save-detailed", action="store_true",
                         help="also the per-request lists (ttfts, itls, latencies, ...) of the highest level")
+    ramp.add_arguments(parser)
 
 
 def _serve_args(args: argparse.Namespace, levels: list[int | None], max_prompts: int) -> dict[str, Any]:
@@ -114,6 +120,12 @@ async def _served(url: str, model: str, requests, offsets, concurrency, timeout,
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from k3ray.evals.serve_bench import metrics
 
+    if args.workload == "ramp":
+        from k3ray.evals.serve_bench import ramp
+
+        return ramp.run(args)
+    args.input_len = 32 if args.input_len is None else args.input_len
+    args.output_len = 16 if args.output_len is None else args.output_len
     levels = _levels(args.concurrency)
     percentiles = _percentiles(args.metric_percentiles)
     slos = metrics.parse_goodput(args.goodput)
