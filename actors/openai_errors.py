@@ -147,17 +147,20 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def _field_path(loc) -> str:
-    """("body", "messages", 0, "content", "str") -> "messages[0].content" (union member tags dropped)."""
-    out = ""
+    """("body", "messages", 0, "content", "str") -> "messages[0].content" (union member tags dropped; a
+    dict key that fails, ("body", "logit_bias", "x", "[key]"), names the dict)."""
+    parts: list = []
     for part in loc:
-        if part == "body" and not out:
-            continue
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif _UNION_TAG.match(str(part)):
+        if part == "[key]":
+            parts.pop()
             break
-        else:
-            out += f".{part}" if out else str(part)
+        if _UNION_TAG.match(str(part)):
+            break
+        if not (part == "body" and not parts):
+            parts.append(part)
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "body"
 
 

@@ -2,22 +2,55 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers do; fields k3ray cannot honour (suffix,
 tools) are declared so that a request using them fails with a 400 instead of being silently
-served differently. Value checks beyond types live in SamplingParams.
+served differently. Every bound a single field has is declared here, so validation and the OpenAPI
+document (openai_schema.py) state the same thing; bounds that are the server's own (its model name,
+vocabulary, context) are marked for the document and checked in OpenAIServing; rules between
+fields are checked there and SamplingParams.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from k3ray.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+
+INT64_MAX = 2**63 - 1
 MAX_N = 128  # samples per prompt; bounds the sequences one request can create
 
-TokenIds = list[int]
-PromptInput = str | list[str] | TokenIds | list[TokenIds]
-StopInput = str | list[str] | None
+# where the OpenAPI document writes this server's own limits (openai_schema.fill_in_limits)
+LIMIT = "x-k3ray-limit"
+SERVED_MODEL = {LIMIT: "served_model"}  # the one model name accepted (another answers 404)
+IN_VOCAB = {LIMIT: "vocab"}  # a token id below the vocabulary size
+IN_CONTEXT = {LIMIT: "context"}  # a token count below max_model_len
+VOCAB_KEYS = {LIMIT: "vocab_keys"}  # an object keyed by token ids
+MEDIA = {LIMIT: "media"}  # a content part only a model with a vision tower takes
 
+
+
+def _integral(value: Any) -> Any:
+    """2.0 is the integer 2 in JSON Schema (one number); 2.5, `true` and `"2"` stay no integer."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds: Any) -> Any:
+    """An int field type with pydantic Field bounds (a JSON integer; strict otherwise)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+TokenId = integer(ge=0, json_schema_extra=IN_VOCAB)
+TokenIds = list[TokenId]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+PromptInput = (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
+               | Annotated[TokenIds, Field(min_length=1)]
+               | Annotated[list[Annotated[TokenIds, Field(min_length=1)]], Field(min_length=1)])
+StopInput = NonEmptyText | list[NonEmptyText] | None
+LogprobCount = integer(ge=0, le=MAX_LOGPROBS)
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # JSON keys are strings
+LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+                      Field(json_schema_extra=VOCAB_KEYS)]
 
 class OpenAIModel(BaseModel):
     # strict: `true` is no token id and `"3"` no max_tokens (a 400 naming the field, not a coercion)
@@ -35,7 +68,23 @@ class JsonSchemaFormat(OpenAIModel):
     strict: bool | None = None
 
 
+_RESPONSE_FORMAT_SCHEMA = {  # `json_schema` with its `schema` is needed by that type only
+    "oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                "name": {"type": ["string", "null"]}, "description": {"type": ["string", "null"]},
+                "schema": {"type": "object", "description": "a JSON Schema the output follows (one the "
+                           "grammar engine can compile, else a 400)"},
+                "strict": {"type": ["boolean", "null"]}}}}},
+    ],
+}
+
+
 class ResponseFormat(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra=lambda schema: schema.update(_RESPONSE_FORMAT_SCHEMA))
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -43,60 +92,132 @@ class ResponseFormat(OpenAIModel):
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    model: str | None = Field(None, json_schema_extra=SERVED_MODEL)
+    n: integer(ge=1, le=MAX_N) = 1
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: integer(ge=0, le=INT64_MAX) | None = None
     stop: StopInput = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream=true")
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = Field(None, description="a grammar: not with ignore_eos=true")
     user: str | None = None
     # vLLM extras (the OpenAI client sends them through extra_body)
-    top_k: int | None = None
-    min_p: float | None = None
+    top_k: Literal[-1] | integer(ge=1) | None = Field(None, description="-1 keeps every token")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    repetition_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+
+
+_EMPTY_STRING = {"type": "string", "maxLength": 0}
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"description": (
+        "The prompt's tokens plus max_tokens must fit the context (max_model_len); best_of >= n, and "
+        "best_of > n is not streamed; max_tokens 0 only with echo; prompts x (best_of or n) <= 1024.")})
+
     prompt: PromptInput
-    max_tokens: int | None = 16
+    max_tokens: integer(ge=0, json_schema_extra=IN_CONTEXT) | None = 16
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
-    suffix: str | None = None
-    prompt_logprobs: int | None = None
+    logprobs: LogprobCount | None = None
+    best_of: integer(ge=1, le=MAX_N) | None = None
+    # a non-empty suffix answers 400 (K3 does no fill-in-the-middle): OpenAIServing says why
+    suffix: Annotated[str, WithJsonSchema(_EMPTY_STRING)] | None = None
+    prompt_logprobs: LogprobCount | None = None
     add_special_tokens: bool = Field(
         True, description="accepted for vLLM compatibility; K3's tokenizers add no BOS/EOS to a prompt"
     )
 
 
-class ChatMessage(OpenAIModel):
+def _content_schema(parts: list[dict]) -> dict:
+    return {"anyOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": parts}}]}
+
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_MEDIA_URL = {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"], "properties": {"url": {}}}],
+              "description": "a data: URL (http(s) where the server allows remote media), or a list of "
+                             "frames for a video"}
+_MEDIA_PARTS = [{"type": "object", "required": ["type", kind], **MEDIA,
+                 "properties": {"type": {"const": kind}, kind: _MEDIA_URL}} for kind in ("image_url", "video_url")]
+_CONTENT = _content_schema([_TEXT_PART, *_MEDIA_PARTS])
+_NAME = {"type": ["string", "null"]}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": ["string", "null"]},
+    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
+_TOOL_CALLS = {"anyOf": [{"type": "array", "items": _TOOL_CALL}, {"type": "null"}]}
+_MESSAGE_SCHEMA = {  # what K3's chat template takes, by role (k3ray.tokenizer.chat)
+    "oneOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"enum": ["system", "developer", "user"]}, "content": _CONTENT, "name": _NAME,
+            "tool_calls": _TOOL_CALLS}},
+        {"type": "object", "required": ["role"], "properties": {
+            "role": {"const": "assistant"}, "content": {"anyOf": [_CONTENT, {"type": "null"}]}, "name": _NAME,
+            "tool_calls": _TOOL_CALLS},
+         "anyOf": [{"required": ["content"], "properties": {"content": _CONTENT}},
+                   {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]},
+        {"type": "object", "required": ["role", "content", "tool_call_id"], "properties": {
+            "role": {"const": "tool"}, "content": _CONTENT, "tool_call_id": {"type": "string"}, "name": _NAME,
+            "tool_calls": _TOOL_CALLS}},
+    ],
+}
+
+
+class ContentPart(OpenAIModel):
+    model_config = ConfigDict(extra="allow")  # the part's `text`, `image_url`, ... by its type
+
+    type: str
+
+
+class FunctionCall(OpenAIModel):
     model_config = ConfigDict(extra="allow")
 
+    name: str
+    arguments: Any = None  # JSON text, or any JSON value (rendered as JSON)
+
+
+class ToolCall(OpenAIModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    function: FunctionCall
+
+
+class ChatMessage(OpenAIModel):
+    """Its types are checked here, what the template needs by role where it renders (a 400 either way)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=lambda schema: schema.update(_MESSAGE_SCHEMA))
+
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
 
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(json_schema_extra={"description": (
+        "The rendered conversation's tokens plus max_tokens must fit the context (max_model_len); "
+        "top_logprobs needs logprobs=true; continue_final_message needs a final assistant message.")})
+
+    messages: Messages
+    max_tokens: integer(ge=1, json_schema_extra=IN_CONTEXT) | None = None
+    max_completion_tokens: integer(ge=1, json_schema_extra=IN_CONTEXT) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    top_logprobs: LogprobCount | None = None
+    # tools, and a tool_choice other than "none", answer 400 (no tool calling yet) saying why
+    tools: Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
+    tool_choice: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
     # vLLM chat-template extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -106,9 +227,11 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(OpenAIModel):
     """vLLM's /tokenize: a `prompt` or a chat `messages` list."""
 
-    model: str | None = None
+    model_config = ConfigDict(json_schema_extra={"description": "exactly one of prompt or messages"})
+
+    model: str | None = Field(None, json_schema_extra=SERVED_MODEL)
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -116,6 +239,5 @@ class TokenizeRequest(OpenAIModel):
 
 
 class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
+    model: str | None = Field(None, json_schema_extra=SERVED_MODEL)
     tokens: TokenIds
-

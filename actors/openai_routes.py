@@ -10,16 +10,23 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from k3ray.actors.openai_chat import create_chat_completion
 from k3ray.actors.openai_completions import create_completion
 from k3ray.actors.openai_errors import ERROR_RESPONSES, APIError, bad_request, install_error_handlers
 from k3ray.actors.openai_middleware import APIKeyMiddleware, BodyLimitMiddleware
-from k3ray.actors.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from k3ray.actors.openai_protocol import (
+    SERVED_MODEL,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from k3ray.actors.openai_schema import ServerLimits, openapi_document
 from k3ray.actors.openai_serving import OpenAIServing
 from k3ray.actors.serve_config import DEFAULT_MAX_BODY_BYTES
 
@@ -31,7 +38,9 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
                      retry_after_s: float = 1.0) -> FastAPI:
     app = FastAPI(title="k3ray", description="OpenAI-compatible API for Kimi K3 on Ray Serve",
                   responses=ERROR_RESPONSES)
-    app.openapi = functools.partial(_openapi, app)
+    limits = ServerLimits(serving.model_name, serving.vocab_size, serving.max_model_len,
+                          serving.info.supports_media, bool(api_key))
+    app.openapi = functools.partial(openapi_document, app, limits)
     install_error_handlers(app, retry_after_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
@@ -42,7 +51,7 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
         return {"object": "list", "data": [serving.model_card()]}
 
     @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str) -> dict:
+    async def retrieve_model(model: Annotated[str, Path(json_schema_extra=SERVED_MODEL)]) -> dict:
         serving.check_model(model)
         return serving.model_card()
 
@@ -109,31 +118,6 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
         return Response(text, media_type=content_type)
 
     return app
-
-
-_TEXT_OK = {"description": "healthy: `ok`", "content": {"text/plain": {"schema": {"type": "string"}}}}
-_TEXT_ANSWERS = {  # the 200s that are no JSON
-    "/health": _TEXT_OK, "/ready": _TEXT_OK,
-    "/metrics": {"description": "Prometheus text exposition format",
-                 "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
-}
-
-
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's document less its 422 answers (a request that fails validation gets a 400 here),
-    with the real content types of /health and /metrics."""
-    if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
-
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        for operation in (op for path in schema["paths"].values() for op in path.values()):
-            operation.get("responses", {}).pop("422", None)
-        for path, answer in _TEXT_ANSWERS.items():
-            schema["paths"][path]["get"]["responses"]["200"] = answer
-        for unused in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(unused, None)
-        app.openapi_schema = schema
-    return app.openapi_schema
 
 
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the reply; nobody receives it

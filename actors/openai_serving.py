@@ -103,7 +103,7 @@ class OpenAIServing:
                     continue_final_message: bool) -> list[int]:
         """The ids the model sees (/tokenize): media placeholders expanded to their token counts."""
         dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message)
-        media = self._chat_media(dicts)
+        media = self._chat_media(dicts) if media_parts(dicts) else []  # a text-only model has no media config
         if not media:
             return ids
         placeholder = self.info.model_config.media_placeholder_token_id

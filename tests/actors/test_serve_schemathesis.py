@@ -1,0 +1,218 @@
+"""Schemathesis over the live Serve app's OpenAPI document, with every check it has.
+
+Requests the document calls valid (positive) must be served with a 2xx, requests it calls invalid
+(negative) must get a 4xx, and every answer must match its documented status, content type, headers
+and body schema; an API key is a bearer scheme that the app must not ignore. Rules between fields
+(the context limit, best_of >= n, ...) are beyond JSON Schema: a positive request that breaks one
+must get a 400 with the OpenAI error body instead, and `broken_rule` names which rule it broke.
+The model is the tiny K3 without a vision tower (its document has no media parts) and a small context,
+so that generated requests are cheap; examples are bounded (EXAMPLES per operation and mode).
+"""
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+schemathesis = pytest.importorskip("schemathesis")
+
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
+from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
+
+from k3ray.actors.openai_protocol import CompletionRequest  # noqa: E402
+from k3ray.actors.openai_serving import MAX_SEQUENCES_PER_REQUEST  # noqa: E402
+from k3ray.engine.structured_output import check_grammar  # noqa: E402
+from k3ray.sampling_params import StructuredOutputsParams  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+MODEL = "k3-schema"
+KEY = "schema-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 96  # the chat template's system prompt alone is about 70 tokens
+EXAMPLES = 25
+DEFAULT_MAX_TOKENS = CompletionRequest.model_fields["max_tokens"].default
+CONFIG = {
+    "checks": {"positive_data_acceptance": {"expected-statuses": ["2xx"]}},
+    "auth": {"openapi": {"bearer": {"bearer": KEY}}},
+}
+
+
+@pytest.fixture(scope="module")
+def server(serve_app, echo_checkpoint):
+    return serve_app({
+        "model": {"model": echo_checkpoint},
+        "server": {"served_model_name": MODEL, "api_key": KEY, "max_body_bytes": 64 * 1024},
+        "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 32, "max_num_seqs": 32},
+    })
+
+
+@pytest.fixture(scope="module")
+def api_schema(server):
+    return schemathesis.openapi.from_url(f"{server}/openapi.json", headers=AUTH,
+                                         config=schemathesis.Config.from_dict(CONFIG))
+
+
+def test_the_server_does_what_its_openapi_document_says(api_schema, server):
+    """Every operation, positive and negative; all failures are reported together."""
+    failures = []
+    for result in api_schema.get_all_operations():
+        operation = result.ok()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            try:
+                fuzz(operation, mode, server)
+            except Unsatisfiable:  # nothing to make invalid: no parameters, no body
+                assert mode == GenerationMode.NEGATIVE, operation.label
+            except (AssertionError, BaseExceptionGroup) as e:
+                failures.append(f"{operation.label} ({mode.value}): {e}")
+    assert not failures, "\n\n".join(failures)
+
+
+def fuzz(operation, mode: GenerationMode, server: str) -> None:
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case):
+        rule = broken_rule(case, server) if mode == GenerationMode.POSITIVE else None
+        if rule is None:
+            case.call_and_validate(timeout=120)
+            return
+        response = case.call_and_validate(timeout=120, excluded_checks=[positive_data_acceptance])
+        assert response.status_code == 400, (rule, response.status_code, response.text[:300])
+
+    run()
+
+
+def broken_rule(case, server: str) -> str | None:
+    """The rule between fields (stated in the document's descriptions) that a schema-valid body breaks."""
+    body = case.body if isinstance(case.body, dict) else {}
+    route = case.operation.path
+    if route == "/tokenize":
+        if (body.get("prompt") is None) == (body.get("messages") is None):
+            return "exactly one of prompt or messages"
+        return _continue_rule(body) if body.get("messages") is not None else None
+    if route not in ("/v1/completions", "/v1/chat/completions"):
+        return None
+    if body.get("stream_options") is not None and not body.get("stream"):
+        return "stream_options only with stream"
+    rule = _response_format_rule(body)
+    if rule is not None:
+        return rule
+    if route == "/v1/chat/completions":
+        if body.get("top_logprobs") is not None and not body.get("logprobs"):
+            return "top_logprobs needs logprobs"
+        rule = _continue_rule(body)
+        if rule is not None:
+            return rule
+        max_tokens = body.get("max_completion_tokens")
+        max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+        prompt = {k: body[k] for k in ("messages", "add_generation_prompt", "continue_final_message") if k in body}
+        return _context_rule(server, [prompt], max_tokens)
+    n, best_of = body.get("n", 1), body.get("best_of")
+    if best_of is not None and best_of < n:
+        return "best_of >= n"
+    if best_of is not None and best_of > n and body.get("stream"):
+        return "best_of > n is not streamed"
+    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if max_tokens == 0 and not body.get("echo"):
+        return "max_tokens 0 only with echo"
+    prompts = _prompts(body["prompt"])
+    if len(prompts) * (best_of or n) > MAX_SEQUENCES_PER_REQUEST:
+        return "prompts x samples <= MAX_SEQUENCES_PER_REQUEST"
+    return _context_rule(server, prompts, 1 if max_tokens == 0 else max_tokens)
+
+
+def _prompts(prompt) -> list:
+    if isinstance(prompt, str) or all(isinstance(t, (int, float)) for t in prompt):  # 2.0 is a token id
+        return [prompt]
+    return prompt
+
+
+def _continue_rule(body: dict) -> str | None:
+    if body.get("continue_final_message") and body["messages"][-1].get("role") != "assistant":
+        return "continue_final_message needs a final assistant message"
+    return None
+
+
+def _response_format_rule(body: dict) -> str | None:
+    response_format = body.get("response_format") or {"type": "text"}
+    if response_format["type"] == "text":
+        return None
+    if body.get("ignore_eos"):
+        return "a grammar ends with an end-of-sequence token: not with ignore_eos"
+    if response_format["type"] == "json_schema":
+        try:
+            check_grammar(StructuredOutputsParams(json=response_format["json_schema"]["schema"]))
+        except ValueError:
+            return "a JSON schema the grammar engine compiles"
+    return None
+
+
+def _context_rule(server: str, prompts: list, max_tokens: int | None) -> str | None:
+    """Each prompt's tokens (as the server's /tokenize counts them) plus max_tokens fit the context."""
+    for prompt in prompts:
+        if isinstance(prompt, list):
+            count = len(prompt)
+        else:
+            request = {"prompt": prompt} if isinstance(prompt, str) else prompt
+            answer = httpx.post(f"{server}/tokenize", json=request, headers=AUTH, timeout=60)
+            if answer.status_code != 200:
+                return None  # the request itself shows what the document missed
+            count = answer.json()["count"]
+        if count >= MAX_MODEL_LEN or count + (max_tokens or 0) > MAX_MODEL_LEN:
+            return "prompt tokens + max_tokens <= max_model_len"
+    return None
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, headers=AUTH, timeout=120) as client:
+        yield client
+
+
+def error_param(response: httpx.Response) -> str | None:
+    assert response.status_code == 400, response.text
+    return response.json()["error"]["param"]
+
+
+# what schemathesis found, one request each
+def test_an_integral_float_is_an_integer(http):
+    """JSON Schema's integer is a number with no fraction: 2.0 is one, 2.5, `true` and "2" are not."""
+    ok = http.post("/v1/completions", json={"prompt": [35, 299.0], "max_tokens": 2.0, "n": 1.0})
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["choices"]) == 1
+    for bad in (2.5, True, "2"):
+        assert error_param(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": bad})) == "max_tokens"
+
+
+def test_tokenize_messages_on_a_model_without_a_vision_tower(http):
+    answer = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 200, answer.text  # was a 500: no media settings to look up
+    assert answer.json()["count"] > 2
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": [{"type": ["text"], "text": "x"}]},  # was a 500: a list is no dict key
+    {"role": "user", "content": [{"text": "x"}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": ["x"], "function": {"name": "f"}}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": 3}}]},
+])
+def test_malformed_message_parts_are_400(http, message):
+    for route in ("/v1/chat/completions", "/tokenize"):
+        assert error_param(http.post(route, json={"messages": [message]})).startswith("messages[0]")
+
+
+def test_event_streams_are_documented(http):
+    paths = http.get("/openapi.json").json()["paths"]
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        content = paths[route]["post"]["responses"]["200"]["content"]
+        assert content["text/event-stream"]["schema"]["required"] == ["data"]
+    assert paths["/v1/models"]["get"]["security"] == [{"bearer": []}] and "security" not in paths["/health"]["get"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": 2.5}, "temperature"), ({"logit_bias": {"+7": 1}}, "logit_bias"),
+    ({"logit_bias": {" 7": 1}}, "logit_bias"), ({"suffix": "x"}, "suffix"), ({"top_k": -2}, "top_k"),
+])
+def test_values_beyond_the_documented_bounds_are_400(http, fields, param):
+    assert error_param(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **fields})) == param
