@@ -57,11 +57,13 @@ def _rate(rate: float) -> float | str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from k3ray.evals.serve_bench import ramp
+    from k3ray.evals.serve_bench import ramp, shared_prefix
 
-    parser.add_argument("--workload", choices=("levels", "ramp"), default="levels",
+    parser.add_argument("--workload", choices=("levels", "ramp", "shared-prefix"), default="levels",
                         help="levels: throughput and latency per --concurrency level against the in-process engine; "
-                        "ramp: autoscaling under a ramp of load, the llm policy vs ongoing requests (ramp.py)")
+                        "ramp: autoscaling under a ramp of load, the llm policy vs ongoing requests (ramp.py); "
+                        "shared-prefix: multi-turn conversations over 2 replicas, prefix-affinity routing vs Serve's "
+                        "default, and 1 replica (shared_prefix.py)")
     parser.add_argument("--endpoint", help="server URL (default: start k3ray's Serve app on 127.0.0.1)")
     parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                         help="without --endpoint: HAProxy + each replica's own HTTP server, or Serve's proxy actor")
@@ -74,8 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine runs")
     parser.add_argument("--dataset", choices=datasets.DATASETS, default="random",
                         help="random token ids, or long prompts of the bundled text (default random)")
-    parser.add_argument("--input-len", type=int, help="prompt tokens (mean; default 32, ramp 2048)")
-    parser.add_argument("--output-len", type=int, help="generated tokens (mean; EOS ignored; default 16, ramp 8)")
+    parser.add_argument("--input-len", type=int, help="prompt tokens (mean; default 32, ramp 2048, shared-prefix 1024: the first turn)")
+    parser.add_argument("--output-len", type=int, help="generated tokens (mean; EOS ignored; default 16, ramp 8, shared-prefix 4)")
     parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * (1 +- ratio)")
     parser.add_argument("--num-prompts", type=int, help="requests per level (default: 2 x concurrency, at least 4)")
     parser.add_argument("--concurrency", default="1,8,64", help="levels: most requests in flight (inf: no cap)")
@@ -92,6 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-detailed", action="store_true",
                         help="also the per-request lists (ttfts, itls, latencies, ...) of the highest level")
     ramp.add_arguments(parser)
+    shared_prefix.add_arguments(parser)
 
 
 def _serve_args(args: argparse.Namespace, levels: list[int | None], max_prompts: int) -> dict[str, Any]:
@@ -124,6 +127,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from k3ray.evals.serve_bench import ramp
 
         return ramp.run(args)
+    if args.workload == "shared-prefix":
+        from k3ray.evals.serve_bench import shared_prefix
+
+        return shared_prefix.run(args)
     args.input_len = 32 if args.input_len is None else args.input_len
     args.output_len = 16 if args.output_len is None else args.output_len
     levels = _levels(args.concurrency)
