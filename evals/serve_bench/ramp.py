@@ -5,8 +5,9 @@ For each policy a fresh Serve app (min 1, max 2 replicas, the tiny K3 unless --m
 127.0.0.1 gets open-loop Poisson arrivals of long prompts: --base-rate for --warm-s, rising
 linearly to --peak-rate over --ramp-s, held for --hold-s. The replicas Serve runs are polled
 throughout. `scale_up_s` is the seconds from the start of the ramp until a second replica is
-RUNNING (None if none came); `slo_violation_frac` is the fraction of requests whose client-side
-TTFT is over --ttft-slo-ms (a failed request counts as over), with the llm policy;
+RUNNING (None if none came), `decision_s` until Serve decided to add it (the policy's part; the rest
+is the replica starting); `slo_violation_frac` is the fraction of requests whose client-side TTFT
+is over --ttft-slo-ms (a failed request counts as over), with the llm policy;
 `baseline_slo_violation_frac` the same with the ongoing-requests policy. The llm policy aims at the
 same TTFT and at --autoscale-queued-tokens per replica; the baseline at Serve's 2 ongoing requests
 per replica. The two runs do not share the machine's moment: on a shared machine, --rounds N
@@ -71,7 +72,8 @@ def ramp_offsets(base: float, peak: float, warm_s: float, ramp_s: float, hold_s:
 
 
 class ReplicaWatch:
-    """Serve's RUNNING replicas of the model deployment over time, polled on a thread: [(s since start, count)]."""
+    """The model deployment's replicas over time, polled on a thread: [(s since start, RUNNING, all)];
+    a replica counts in `all` from the moment Serve decides to add it."""
 
     def __init__(self, period_s: float = 0.25) -> None:
         self.period_s = period_s
@@ -94,16 +96,17 @@ class ReplicaWatch:
         from k3ray.actors.serve_config import APP_NAME
 
         while not self._stop.is_set():
-            model = serve.status().applications[APP_NAME].deployments["K3Server"]
-            self.timeline.append((time.perf_counter() - self.start, model.replica_states.get("RUNNING", 0)))
+            states = serve.status().applications[APP_NAME].deployments["K3Server"].replica_states
+            self.timeline.append((time.perf_counter() - self.start, states.get("RUNNING", 0), sum(states.values())))
             self._stop.wait(self.period_s)
 
-    def first_time_with(self, replicas: int) -> float | None:
-        return next((t for t, n in self.timeline if n >= replicas), None)
+    def first_time_with(self, replicas: int, running: bool = True) -> float | None:
+        """When `replicas` were first RUNNING (running) or decided on (not running); None if never."""
+        return next((t for t, up, decided in self.timeline if (up if running else decided) >= replicas), None)
 
     def replica_seconds(self) -> float:
         """Running replicas integrated over the polled time (what the run cost)."""
-        return sum((t1 - t0) * n for (t0, n), (t1, _) in zip(self.timeline, self.timeline[1:]))
+        return sum((t1 - t0) * up for (t0, up, _), (t1, _, _) in zip(self.timeline, self.timeline[1:]))
 
 
 def serve_args(args: argparse.Namespace, policy: str, input_len: int, output_len: int) -> dict[str, Any]:
@@ -139,18 +142,19 @@ def run_policy(args: argparse.Namespace, policy: str, offsets: list[float], make
     slo_s = args.ttft_slo_ms / 1000
     ttfts = [r.ttft for r in results if r.success]
     over = sum(1 for r in results if not r.success or r.ttft > slo_s)
-    scaled = watch.first_time_with(2)
+    scaled, decided = watch.first_time_with(2), watch.first_time_with(2, running=False)
     return {
         "policy": policy,
         "scale_up_s": None if scaled is None else round(scaled - args.warm_s, 2),
+        "decision_s": None if decided is None else round(decided - args.warm_s, 2),  # the policy's part of it
         "slo_violation_frac": over / len(results),
         "requests": len(results), "failed": sum(1 for r in results if not r.success),
         "mean_ttft_ms": 1000 * statistics.fmean(ttfts) if ttfts else None,
         "p90_ttft_ms": 1000 * float(np.percentile(ttfts, 90)) if ttfts else None,
         "duration_s": duration,
         "replica_seconds": round(watch.replica_seconds(), 1),
-        "replicas": [(round(t, 2), n) for i, (t, n) in enumerate(watch.timeline)
-                     if i == 0 or n != watch.timeline[i - 1][1]],  # the changes only
+        "replicas": [(round(t, 2), up, decided) for i, (t, up, decided) in enumerate(watch.timeline)
+                     if i == 0 or (up, decided) != watch.timeline[i - 1][1:]],  # the changes only
         "serve_args": serve_args(args, policy, input_len, output_len),
     }
 
@@ -185,6 +189,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "slo_violation_frac": median_of(llm, "slo_violation_frac"),
         "baseline_slo_violation_frac": median_of(baseline, "slo_violation_frac"),
         "baseline_scale_up_s": median_of(baseline, "scale_up_s"),
+        "decision_s": median_of(llm, "decision_s"),
+        "baseline_decision_s": median_of(baseline, "decision_s"),
         "replica_seconds": median_of(llm, "replica_seconds"),
         "baseline_replica_seconds": median_of(baseline, "replica_seconds"),
         "ttft_slo_ms": args.ttft_slo_ms,

@@ -35,10 +35,11 @@ def test_a_ramp_needs_positive_rates_rising():
         ramp.ramp_offsets(0.0, 1.0, 1, 1, 1, 0)
 
 
-def test_the_timeline_gives_the_scale_up_time_and_the_replica_seconds():
+def test_the_timeline_gives_the_decision_and_scale_up_times_and_the_replica_seconds():
     watch = ramp.ReplicaWatch()
-    watch.timeline = [(0.0, 1), (5.0, 1), (12.5, 2), (20.0, 2)]
+    watch.timeline = [(0.0, 1, 1), (5.0, 1, 2), (12.5, 2, 2), (20.0, 2, 2)]
     assert watch.first_time_with(2) == 12.5 and watch.first_time_with(3) is None
+    assert watch.first_time_with(2, running=False) == 5.0
     assert watch.replica_seconds() == pytest.approx(5 + 7.5 + 2 * 7.5)
 
 
@@ -72,4 +73,5 @@ def test_a_short_ramp_runs_both_policies(tmp_path):
     assert set(result["runs"]) == {"llm", "ongoing-requests"}
     for (run,) in result["runs"].values():  # one round
         assert run["requests"] > 10 and run["failed"] == 0 and run["replicas"][0][1] >= 1
+        assert run["scale_up_s"] is None or run["decision_s"] <= run["scale_up_s"]
     assert 0 <= result["slo_violation_frac"] <= 1 and 0 <= result["baseline_slo_violation_frac"] <= 1
