@@ -19,11 +19,13 @@ import os
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from k3ray.actors.openai_protocol import ChatMessage
 from k3ray.actors.prefix_affinity_router import HASHES_KWARG
+from k3ray.actors.replica_grpc_bind import bind_replica_grpc_to
 from k3ray.engine.block_pool import hash_block
 from k3ray.tokenizer import load_tokenizer
 from k3ray.tokenizer.chat import normalize_chat_role
@@ -80,6 +82,7 @@ def haproxy_routes_through_router(replicas: int) -> bool:
 @serve.ingress(router_app)
 class K3IngressRouter:
     def __init__(self, server: DeploymentHandle, tokenizer_path: str, block_size: int) -> None:
+        bind_replica_grpc_to(ray.util.get_node_ip_address())
         self.server = server
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.block_size = block_size

@@ -31,6 +31,7 @@ from k3ray.actors.openai_routes import build_openai_app
 from k3ray.actors.openai_serving import OpenAIServing
 from k3ray.actors.prefix_affinity_router import PREFIXES_STAT, PrefixAffinityRouter
 from k3ray.actors.replica_bundles import replica_bundles
+from k3ray.actors.replica_grpc_bind import bind_replica_grpc_to
 from k3ray.actors.serve_config import ServeArgs
 from k3ray.actors.serve_engine import build_engine, engine_config, local_engine
 from k3ray.actors.serve_metrics import ServeMetrics
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 @serve.ingress()
 class K3Server:
     async def __init__(self, args: dict) -> None:
+        bind_replica_grpc_to(ray.util.get_node_ip_address())  # Serve starts that server once this returns
         self.args = ServeArgs.model_validate(args)
         self.executor = None
         self.engine: AsyncEngine | EngineClient
