@@ -53,6 +53,7 @@ _PORT_FILE = re.compile(r"^metrics-(.+)-(\d+)\.port$")
 UNAVAILABLE_FILE = "k3ray-unavailable.http"
 STARTING_FILE = "k3ray-starting.json"
 PROBE_PATHS = ("/health", "/ready")
+PROBE_METHODS = "{ method GET HEAD }"  # a probe with another method goes on to the app, which answers 405
 PROBE_HEADER = "X-K3ray-Answered-By"  # "ingress" on probes HAProxy answers itself (a replica's answer lacks it)
 STARTING_BODY = {"error": {"message": "no replica of the model is ready yet (starting, or being replaced); retry "
                            "shortly", "type": "service_unavailable", "param": None, "code": "starting"}}
@@ -99,7 +100,8 @@ def with_metrics_listeners(config: str, listeners: dict[str, list[int]]) -> str:
         if not ports:
             continue
         name = f"k3ray-metrics-{backend}"
-        routes.append(f"    use_backend {name} if {{ path {prefix.rstrip('/')}/metrics }} {{ nbsrv({name}) ge 1 }}\n")
+        routes.append(f"    use_backend {name} if {{ path {prefix.rstrip('/')}/metrics }} {{ nbsrv({name}) ge 1 }} "
+                      "{ method GET }\n")  # other methods get the app's 405
         servers = "".join(f"    server metrics-{port} 127.0.0.1:{port} check\n" for port in sorted(ports))
         backends.append(f"backend {name}\n    timeout connect 5s\n    timeout server 60s\n"
                         f"    option httpchk GET /metrics\n    default-server inter 1s fall 2 rise 1\n{servers}")
@@ -140,11 +142,11 @@ def with_probes(config: str, starting_page: str) -> str:
     for backend, prefix in _ROUTE_ACL.findall(config):
         paths = " ".join(prefix.rstrip("/") + path for path in PROBE_PATHS)
         rules.append(f"    http-request return status 200 content-type text/plain string ok hdr {PROBE_HEADER} ingress "
-                     f"if {{ path {paths} }} {{ nbsrv({backend}) ge 1 }}\n")
-        rules.append(f"    {starting} if {{ path {paths} }}\n")
+                     f"if {{ path {paths} }} {{ nbsrv({backend}) ge 1 }} {PROBE_METHODS}\n")
+        rules.append(f"    {starting} if {{ path {paths} }} {PROBE_METHODS}\n")
         prefixes.add(prefix)
     if "/" not in prefixes:  # no app at the root (yet): its probes say starting
-        rules.append(f"    {starting} if {{ path {' '.join(PROBE_PATHS)} }}\n")
+        rules.append(f"    {starting} if {{ path {' '.join(PROBE_PATHS)} }} {PROBE_METHODS}\n")
     config = _FRONTEND_BIND_LINE.sub(lambda m: m.group() + "".join(rules), config, count=1)
     if not apps:
         config = _DEFAULT_BACKEND_404.sub(lambda m: f"{m.group(1)}    {starting}\n", config, count=1)

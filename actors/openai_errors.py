@@ -147,15 +147,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def _field_path(loc) -> str:
-    """("body", "messages", 0, "content", "str") -> "messages[0].content" (union member tags dropped; a
-    dict key that fails, ("body", "logit_bias", "x", "[key]"), names the dict)."""
+    """("body", "messages", 0, "content", "str") -> "messages[0].content"; union member tags and dict keys
+    are dropped (("body", "logit_bias", "1") and ("body", "logit_bias", "x", "[key]") name logit_bias)."""
     parts: list = []
     for part in loc:
         if part == "[key]":
             parts.pop()
             break
-        if _UNION_TAG.match(str(part)):
-            break
+        if _UNION_TAG.match(str(part)) or (isinstance(part, str) and not part.isidentifier()):
+            break  # a union member's tag, or a dict key such as a token id: the field is named
         if not (part == "body" and not parts):
             parts.append(part)
     out = ""
@@ -164,4 +164,4 @@ def _field_path(loc) -> str:
     return out or "body"
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*|constrained-.*)$")

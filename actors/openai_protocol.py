@@ -18,6 +18,7 @@ from k3ray.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 INT64_MAX = 2**63 - 1
 MAX_N = 128  # samples per prompt; bounds the sequences one request can create
+MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n
 
 # where the OpenAPI document writes this server's own limits (openai_schema.fill_in_limits)
 LIMIT = "x-k3ray-limit"
@@ -26,7 +27,6 @@ IN_VOCAB = {LIMIT: "vocab"}  # a token id below the vocabulary size
 IN_CONTEXT = {LIMIT: "context"}  # a token count below max_model_len
 VOCAB_KEYS = {LIMIT: "vocab_keys"}  # an object keyed by token ids
 MEDIA = {LIMIT: "media"}  # a content part only a model with a vision tower takes
-
 
 
 def _integral(value: Any) -> Any:
@@ -51,6 +51,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # JSON keys are strings
 LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
                       Field(json_schema_extra=VOCAB_KEYS)]
+
 
 class OpenAIModel(BaseModel):
     # strict: `true` is no token id and `"3"` no max_tokens (a 400 naming the field, not a coercion)
@@ -121,7 +122,8 @@ _EMPTY_STRING = {"type": "string", "maxLength": 0}
 class CompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"description": (
         "The prompt's tokens plus max_tokens must fit the context (max_model_len); best_of >= n, and "
-        "best_of > n is not streamed; max_tokens 0 only with echo; prompts x (best_of or n) <= 1024.")})
+        f"best_of > n is not streamed; max_tokens 0 only with echo; prompts x (best_of or n) <= "
+        f"{MAX_SEQUENCES_PER_REQUEST}.")})
 
     prompt: PromptInput
     max_tokens: integer(ge=0, json_schema_extra=IN_CONTEXT) | None = 16

@@ -3,8 +3,8 @@
     app.openapi = functools.partial(openapi_document, app, ServerLimits(...))
 
 FastAPI documents a 422 and a JSON 200 for every route; here a failed validation is a 400, every route
-lists its errors with the OpenAI error body, /health and /metrics answer text, completions also stream
-(text/event-stream), an API key shows as a bearer scheme, and the limits that are this server's own
+lists its errors with the OpenAI error body, the 200 bodies have their schemas, /health and /metrics
+answer text, completions also stream (text/event-stream), an API key shows as a bearer scheme, and the limits that are this server's own
 (its model name, vocabulary, context, whether it takes media) are written where openai_protocol marks
 them, so that a request the document calls valid is served and one it calls invalid is a 4xx.
 """
@@ -25,6 +25,39 @@ _TEXT_ANSWERS = {  # the 200s that are no JSON
     "/health": _TEXT_OK, "/ready": _TEXT_OK,
     "/metrics": {"description": "Prometheus text exposition format",
                  "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+}
+_NULLABLE_OBJECT = {"type": ["object", "null"]}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {k: {"type": "integer", "minimum": 0}
+                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+_FINISH = {"finish_reason": {"type": ["string", "null"]}, "stop_reason": {"type": ["string", "integer", "null"]}}
+_MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+    "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}
+
+
+def _answer(object_name: str, choice: dict) -> dict:
+    """A completion or chat completion body."""
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"const": object_name}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": _USAGE,
+        "choices": {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"],
+                                               "properties": {"index": {"type": "integer"}, **choice, **_FINISH}}}}}
+
+
+_JSON_ANSWERS = {  # the 200 bodies (FastAPI knows them only as `dict`)
+    "/v1/models": {"type": "object", "required": ["object", "data"],
+                   "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL_CARD}}},
+    "/v1/models/{model}": _MODEL_CARD,
+    "/v1/completions": _answer("text_completion", {"text": {"type": "string"}, "logprobs": _NULLABLE_OBJECT}),
+    "/v1/chat/completions": _answer("chat.completion", {"logprobs": _NULLABLE_OBJECT, "message": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}}),
+    "/tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+        "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}},
+    "/detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
 }
 _EVENT_STREAM = {"schema": {  # one server-sent event (OpenAPI 3.1 has no itemSchema yet)
     "type": "object", "required": ["data"], "properties": {"data": {
@@ -53,6 +86,9 @@ def openapi_document(app: FastAPI, limits: ServerLimits) -> dict:
                     operation["security"] = [{"bearer": []}]
         for path, answer in _TEXT_ANSWERS.items():
             doc["paths"][path]["get"]["responses"]["200"] = answer
+        for path, answer in _JSON_ANSWERS.items():
+            (operation,) = doc["paths"][path].values()
+            operation["responses"]["200"]["content"]["application/json"]["schema"] = answer
         for path in STREAMING_PATHS:
             doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"] = _EVENT_STREAM
         components = doc.setdefault("components", {})

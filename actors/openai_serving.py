@@ -23,7 +23,7 @@ import httpx
 
 from k3ray.actors.admission import Admission
 from k3ray.actors.openai_errors import APIError, as_api_error, bad_request, from_value_error
-from k3ray.actors.openai_protocol import ChatMessage, ResponseFormat, SamplingFields
+from k3ray.actors.openai_protocol import MAX_SEQUENCES_PER_REQUEST, ChatMessage, ResponseFormat, SamplingFields
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
@@ -32,7 +32,6 @@ from k3ray.sampling_params import SamplingParams, StructuredOutputsParams
 from k3ray.tokenizer.chat import MEDIA_PART_KINDS, normalize_chat_role
 from k3ray.vision import ProcessedMedia, expand_placeholders
 
-MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n
 AUDIO_PART_TYPES = ("input_audio", "audio_url")
 PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
                "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",

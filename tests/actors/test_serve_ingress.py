@@ -94,7 +94,8 @@ def test_before_the_app_exists_every_path_is_the_starting_503():
     out = k3ray_config(SERVE_PARTS.replace("    {route_acl}\n", ""), "/run/u.http", "/run/s.json")
     assert "status 404" not in out and "nbsrv" not in out
     starting = "http-request return status 503 content-type application/json file /run/s.json hdr Retry-After 1"
-    assert f"    {starting} if {{ path /health /ready }}\n" in out and f"backend default_backend\n    {starting}\n" in out
+    assert f"    {starting} if {{ path /health /ready }} {{ method GET HEAD }}\n" in out
+    assert f"backend default_backend\n    {starting}\n" in out
 
 
 def test_metrics_go_to_the_announced_listeners_before_the_app_routes(tmp_path):

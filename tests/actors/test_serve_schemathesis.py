@@ -11,19 +11,15 @@ so that generated requests are cheap; examples are bounded (EXAMPLES per operati
 
 import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-ray = pytest.importorskip("ray")
-schemathesis = pytest.importorskip("schemathesis")
-
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis.errors import Unsatisfiable  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
-
-from k3ray.actors.openai_protocol import CompletionRequest  # noqa: E402
-from k3ray.actors.openai_serving import MAX_SEQUENCES_PER_REQUEST  # noqa: E402
-from k3ray.engine.structured_output import check_grammar  # noqa: E402
-from k3ray.sampling_params import StructuredOutputsParams  # noqa: E402
+from k3ray.actors.openai_protocol import MAX_SEQUENCES_PER_REQUEST, CompletionRequest
+from k3ray.engine.structured_output import check_grammar
+from k3ray.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.timeout(900)
 MODEL = "k3-schema"
@@ -216,3 +212,15 @@ def test_event_streams_are_documented(http):
 ])
 def test_values_beyond_the_documented_bounds_are_400(http, fields, param):
     assert error_param(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **fields})) == param
+
+
+def test_an_undocumented_method_is_405_with_allow(http):
+    """What schemathesis's unsupported_method check asks (it runs only in its coverage phase)."""
+    paths = http.get("/openapi.json").json()["paths"]
+    for path, operations in paths.items():
+        path = path.replace("{model}", MODEL)
+        method = "DELETE" if "delete" not in operations else "PATCH"
+        answer = http.request(method, path)
+        assert answer.status_code == 405, (method, path, answer.text)
+        assert {m.strip().lower() for m in answer.headers["allow"].split(",")} >= set(operations) - {"head"}
+        assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
