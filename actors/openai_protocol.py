@@ -144,11 +144,19 @@ def _content_schema(parts: list[dict]) -> dict:
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-_MEDIA_URL = {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"], "properties": {"url": {}}}],
-              "description": "a data: URL (http(s) where the server allows remote media), or a list of "
-                             "frames for a video"}
-_MEDIA_PARTS = [{"type": "object", "required": ["type", kind], **MEDIA,
-                 "properties": {"type": {"const": kind}, kind: _MEDIA_URL}} for kind in ("image_url", "video_url")]
+
+
+def _media_part(kind: str, url: dict) -> dict:
+    """An image_url / video_url part: the URL, or {"url": URL}; a data: URL (http(s) where the server
+    allows remote media) that must decode as the media."""
+    source = {"anyOf": [url, {"type": "object", "required": ["url"], "properties": {"url": url}}]}
+    return {"type": "object", "required": ["type", kind], **MEDIA,
+            "properties": {"type": {"const": kind}, kind: source}}
+
+
+_URL = {"type": "string"}
+_FRAMES = {"type": "array", "items": _URL, "minItems": 1}  # a video as the URLs of its frames
+_MEDIA_PARTS = [_media_part("image_url", _URL), _media_part("video_url", {"anyOf": [_URL, _FRAMES]})]
 _CONTENT = _content_schema([_TEXT_PART, *_MEDIA_PARTS])
 _NAME = {"type": ["string", "null"]}
 _TOOL_CALL = {"type": "object", "required": ["function"], "properties": {

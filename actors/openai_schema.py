@@ -4,9 +4,10 @@
 
 FastAPI documents a 422 and a JSON 200 for every route; here a failed validation is a 400, every route
 lists its errors with the OpenAI error body, the 200 bodies have their schemas, /health and /metrics
-answer text, completions also stream (text/event-stream), an API key shows as a bearer scheme, and the limits that are this server's own
-(its model name, vocabulary, context, whether it takes media) are written where openai_protocol marks
-them, so that a request the document calls valid is served and one it calls invalid is a 4xx.
+answer text, completions also stream (text/event-stream), an API key shows as a bearer scheme, and
+the limits that are this server's own (its model name, vocabulary, context, whether it takes media)
+are written where openai_protocol marks them, so that a request the document calls valid is served
+and one it calls invalid is a 4xx (tests/actors/test_serve_schemathesis.py holds it to that).
 """
 
 from __future__ import annotations
