@@ -1,4 +1,4 @@
-"""Schemathesis over the live Serve app's OpenAPI document, with every check it has.
+"""Schemathesis over the live Serve app's OpenAPI document, with all its checks.
 
 Requests the document calls valid (positive) must be served with a 2xx, requests it calls invalid
 (negative) must get a 4xx, and every answer must match its documented status, content type, headers
@@ -7,6 +7,10 @@ and body schema; an API key is a bearer scheme that the app must not ignore. Rul
 must get a 400 with the OpenAI error body instead, and `broken_rule` names which rule it broke.
 The model is the tiny K3 without a vision tower (its document has no media parts) and a small context,
 so that generated requests are cheap; examples are bounded (EXAMPLES per operation and mode).
+Cases come from schemathesis's fuzzing phase (`as_strategy`): its pytest loader for a fixture's schema
+reads `request.node._nodeid`, which pytest 9 no longer has, and its coverage phase (the only one where
+`unsupported_method` acts) is reached only through that loader or its CLI, so
+test_an_undocumented_method_is_405_with_allow asks what that check asks.
 """
 
 import httpx
