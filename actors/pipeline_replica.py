@@ -8,8 +8,11 @@ StageFailure, and Ray restarts the actor (which reloads its weights, with empty 
 
 Actors given GPUs compute on them (actor_device). The tensor path between stages is chosen once
 the actors are up (hop_transport): "nccl" (Ray's GPU-object transport, GPU to GPU) when every
-stage holds its own GPU and can run NCCL, else "host" (wire bundles through host memory: CPU
-stages, and stages sharing a GPU, which NCCL cannot connect)."""
+stage holds its own GPU and can run NCCL, "gloo" (the same collective path over GLOO, CPU stages)
+when asked, else "host" (wire bundles through host memory: CPU stages, and stages sharing a GPU,
+which NCCL cannot connect). A collective hop path is one Ray collective group over the stages;
+after a step on it fails, the next step first starts fresh stage actors and a new group over them
+(Ray kills both ends of a failed collective transfer for good, and a restarted stage is in no group)."""
 
 from __future__ import annotations
 
@@ -39,6 +42,10 @@ from k3ray.vision import has_vision_weights
 logger = logging.getLogger(__name__)
 
 
+# hop transports that carry the tensors themselves over a collective group of the stages -> its backend
+COLLECTIVE_BACKENDS = {"nccl": "nccl", "gloo": "torch_gloo"}
+
+
 @dataclass
 class _StageGroup:
     layers: tuple[int, int]
@@ -50,9 +57,11 @@ class _StageGroup:
 def hop_transport(parallel: ParallelConfig, stage_infos: list[dict]) -> str:
     """How hidden states go between the stages, from each stage's placement_info: "nccl" when
     the config allows it and every stage has GPUs of its own (no two on one GPU of one node) and
-    NCCL (cupy) at hand; else "host"."""
+    NCCL (cupy) at hand; "gloo" when asked and every stage computes on the CPU; else "host"."""
     if parallel.stage_transport == "host" or len(stage_infos) < 2:
         return "host"
+    if parallel.stage_transport == "gloo":  # Ray's GLOO transport carries CPU tensors only
+        return "gloo" if all(info["device"] == "cpu" for info in stage_infos) else "host"
     gpus = [(info["node_id"], g) for info in stage_infos for g in info["gpu_ids"]]
     own_gpus = all(info["gpu_ids"] for info in stage_infos) and len(set(gpus)) == len(gpus)
     return "nccl" if own_gpus and all(info["nccl"] for info in stage_infos) else "host"
@@ -93,24 +102,34 @@ class RayModelRunner:
                 "check resources with `ray status` and `ray list nodes`"
             ) from e
 
-        def opts(bundle: int, resources: dict[str, float], **extra):
+        def opts(bundle: int, resources: dict[str, float]):
             res = dict(resources)
             return {
                 "num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res or None,
                 "max_restarts": parallel.max_restarts, "max_task_retries": 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-                **extra,
             }
 
-        # stages that may hand their hidden states on over NCCL must be created able to
-        may_use_nccl = parallel.stage_transport == "auto" and parallel.pipeline > 1 \
-            and _whole_gpus(parallel.stage_resources)
-        stage_extra = {"enable_tensor_transport": True} if may_use_nccl else {}
+        # stages that may hand their hidden states on over a collective group must be created able to
+        may_use_collective = parallel.pipeline > 1 and (
+            parallel.stage_transport == "gloo"
+            or parallel.stage_transport == "auto" and _whole_gpus(parallel.stage_resources))
+        # a class option: Ray reads it when the class is made remote and ignores it in .options()
+        remote_stage = ray.remote(enable_tensor_transport=True)(PipelineStage) if may_use_collective \
+            else ray.remote(PipelineStage)
 
         index = {role: bundle_offset + b for b, role in enumerate(roles)}
         self.groups: list[_StageGroup] = []
-        self.stage_group = None  # Ray's NCCL communicator over the stages, when hops use it
+        self.stage_group = None  # Ray's collective group over the stages, when hops use one
+        self.stage_group_stale = False  # a step failed on it: fresh stages and group before the next step
+        self.stage_group_restarts = 0  # each one counts against parallel.max_restarts
         self.vision: "ray.actor.ActorHandle | None" = None
+
+        def start_stage(s: int, router: "ray.actor.ActorHandle | None") -> "ray.actor.ActorHandle":
+            return remote_stage.options(**opts(index[("stage", s, None)], parallel.stage_resources)).remote(
+                checkpoint, layer_ranges[s], cache, router, parallel)
+
+        self._start_stage = start_stage
         for s, layers in enumerate(layer_ranges):
             shards, router = [], None
             if ("router", s, None) in index:
@@ -123,17 +142,16 @@ class RayModelRunner:
                     **opts(index[("router", s, None)], parallel.router_resources)
                 ).remote(shards, self.config.num_experts, parallel.call_timeout_s, parallel.torch_threads,
                          *self._balancing(parallel))
-            stage = ray.remote(PipelineStage).options(
-                **opts(index[("stage", s, None)], parallel.stage_resources, **stage_extra)
-            ).remote(checkpoint, layers, cache, router, parallel)
-            self.groups.append(_StageGroup(layers, stage, router, shards))
+            self.groups.append(_StageGroup(layers, start_stage(s, router), router, shards))
         if ("vision", 0, None) in index and has_vision_weights(checkpoint):
             self.vision = ray.remote(VisionEncoder).options(
                 **opts(index[("vision", 0, None)], parallel.vision_resources)
             ).remote(checkpoint, cache.dtype, parallel.torch_threads)
         self.placement, infos = self._wait_ready(ready_timeout_s)
-        self.hop_transport = hop_transport(parallel, infos) if may_use_nccl else "host"
-        if self.hop_transport == "nccl":
+        self.hop_transport = hop_transport(parallel, infos) if may_use_collective else "host"
+        if parallel.stage_transport == "gloo" and self.hop_transport == "host" and parallel.pipeline > 1:
+            logger.warning("pipeline hops go through host memory: GLOO carries CPU tensors only, and a stage has a GPU")
+        if self.hop_transport in COLLECTIVE_BACKENDS:
             self._connect_stages()
 
     @staticmethod
@@ -154,15 +172,38 @@ class RayModelRunner:
                 for g in self.groups]
 
     def _connect_stages(self) -> None:
-        """One NCCL communicator over the stages (Ray's collective group); a failure leaves the
-        hops on host memory, logged."""
-        from ray.experimental.collective import create_collective_group
+        """One collective group over the stages, with hop_transport's backend (an old one dropped
+        first); a failure leaves the hops on host memory, logged."""
+        from ray.experimental.collective import create_collective_group, destroy_collective_group
 
+        if self.stage_group is not None:
+            old, self.stage_group = self.stage_group, None
+            try:
+                destroy_collective_group(old)
+            except ValueError:  # Ray drops the group itself after a failed transfer
+                pass
         try:
-            self.stage_group = create_collective_group([g.stage for g in self.groups], backend="nccl")
+            self.stage_group = create_collective_group([g.stage for g in self.groups],
+                                                       backend=COLLECTIVE_BACKENDS[self.hop_transport])
         except Exception as e:  # noqa: BLE001 - any failure falls back to the path that always works
-            logger.warning("pipeline hops go through host memory: NCCL between the stages failed: %s", e)
+            logger.warning("pipeline hops go through host memory: %s between the stages failed: %s",
+                           self.hop_transport, e)
             self.hop_transport = "host"
+
+    def _rejoin_stages(self) -> None:
+        """After a failed step on a collective hop path: fresh stage actors on the same bundles
+        (with empty caches, as a restart), and a new group over them once they have loaded.
+        Restarting in place cannot work: a restarted stage is in no group, and Ray kills both
+        ends of a failed collective transfer for good, possibly after the step has failed."""
+        if self.stage_group_restarts >= self.parallel.max_restarts:
+            raise StageFailure(f"the stages were restarted {self.stage_group_restarts} times (max_restarts)")
+        self.stage_group_restarts += 1
+        for s, g in enumerate(self.groups):
+            ray.kill(g.stage, no_restart=True)
+            g.stage = self._start_stage(s, g.router)
+        self._get([g.stage.ready.remote() for g in self.groups], "stage restart")
+        self.stage_group_stale = False
+        self._connect_stages()
 
     def actors(self) -> list[tuple[str, "ray.actor.ActorHandle"]]:
         out = []
@@ -188,15 +229,28 @@ class RayModelRunner:
 
     def step(self, plan: BatchPlan) -> torch.Tensor:
         """Run one batch through every stage -> logits [len(plan.logits_indices), V] fp32."""
+        if self.stage_group_stale:
+            self._rejoin_stages()
+        collective = self.hop_transport in COLLECTIVE_BACKENDS
         ref = None
         last = len(self.groups) - 1
         for s, g in enumerate(self.groups):
             stage_plan = plan if s == 0 else plan.without_media()
-            if self.hop_transport == "nccl" and s < last:
-                ref = g.stage.forward.options(tensor_transport="nccl").remote(stage_plan, ref, True)
+            if collective and s < last:
+                ref = g.stage.forward.options(tensor_transport=self.hop_transport).remote(stage_plan, ref, True)
             else:
                 ref = g.stage.forward.remote(stage_plan, ref)
-        return unpack(self._get(ref, "model step"))[0]
+        try:
+            return unpack(self._get(ref, "model step"))[0]
+        except (StageFailure, ray.exceptions.RayTaskError) as e:
+            if not collective:
+                raise
+            self.stage_group_stale = True
+            if isinstance(e, StageFailure):
+                raise
+            # a hop whose peer died or is in no group fails inside the receiving stage
+            raise StageFailure(f"model step failed on the {self.hop_transport} hop path: {type(e.cause).__name__}: "
+                               f"{e.cause}") from e
 
     def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """Packed media -> [n_tokens, text_hidden] from the replica's VisionEncoder."""
@@ -246,7 +300,7 @@ class RayModelRunner:
             raise
 
     def shutdown(self) -> None:
-        self.stage_group = None  # its NCCL communicators end with the stages' processes
+        self.stage_group = None  # its communicators end with the stages' processes
         for _, handle in self.actors():
             ray.kill(handle, no_restart=True)
         if self.owns_pg:

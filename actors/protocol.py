@@ -15,7 +15,7 @@ from k3ray.actors.moe_dispatch_modes import (
 from k3ray.actors.wire import Bundle, pack, unpack
 from k3ray.engine.plan import BatchPlan
 
-STAGE_TRANSPORTS = ("auto", "host")
+STAGE_TRANSPORTS = ("auto", "host", "gloo")
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class ParallelConfig:
     moe_dispatch: str = DEFAULT_MOE_DISPATCH
     # hidden states between pipeline stages: "auto" = GPU to GPU over Ray's NCCL tensor transport
     # when every stage holds its own GPU and cupy is installed, else host memory; "host" = always
-    # host memory (MoE rows always go through host memory: see pipeline_replica.hop_transport)
+    # host memory; "gloo" = Ray's GLOO tensor transport between CPU stages (MoE rows always go
+    # through host memory: see pipeline_replica.hop_transport)
     stage_transport: str = "auto"
     redundant_experts: int = DEFAULT_REDUNDANT_EXPERTS  # see moe_dispatch_modes
     rebalance_steps: int = DEFAULT_REBALANCE_STEPS

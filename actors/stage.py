@@ -3,7 +3,7 @@ gave it (else the CPU); its MoE layers are built with remote experts, which reac
 expert shards in the ParallelConfig.moe_dispatch mode (k3ray.actors.moe_dispatch). The first
 stage embeds, the last returns logits; between stages the AttnRes state (partial sum + bank)
 travels as an object ref: a wire bundle through host memory, or the tensors themselves over Ray's
-NCCL transport when the runner asks (pipeline_replica.hop_transport). Media embeddings (from the
+NCCL or GLOO transport when the runner asks (pipeline_replica.hop_transport). Media embeddings (from the
 replica's VisionEncoder, via the engine) are spliced in by the first stage."""
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class PipelineStage:
                 on_device: bool = False) -> Bundle | tuple[torch.Tensor, torch.Tensor]:
         """First stage: carry is None. Returns (hidden [T, D], bank [T, R, D]) or, on the last
         stage, (logits [len(logits_indices), V] fp32,) — one wire bundle (k3ray.actors.wire), or
-        with `on_device` the (hidden, bank) tensors themselves on this stage's GPU, for Ray's NCCL
-        transport to carry (a carry that came that way arrives as those tensors, on this GPU)."""
+        with `on_device` the (hidden, bank) tensors themselves on this stage's device, for Ray's NCCL
+        or GLOO transport to carry (a carry that came that way arrives as those tensors, here)."""
         from k3ray.vision.placeholders import splice_media_embeddings
 
         batch = plan.forward_batch(self.cache)  # indices to the cache's device, once for every layer
