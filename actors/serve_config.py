@@ -80,6 +80,9 @@ class ParallelSettings(Settings):
     vision_gpus: float = Field(0.0, ge=0, description="GPUs of a pipeline replica's VisionEncoder actor")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="how the replica's placement group spreads over nodes")
+    stage_transport: Literal["auto", "host", "gloo"] = Field(
+        "auto", description="hidden states between pipeline stages: auto = GPU to GPU over NCCL when every stage has "
+        "its own GPU, else host memory; host = always host memory; gloo = Ray's GLOO transport (CPU stages)")
     moe_dispatch: MoEDispatchMode = Field(
         DEFAULT_MOE_DISPATCH, description="MoE rows from each stage straight to its shards by actor calls (direct), through "
         "the stage's router actor (router) or through a Ray Compiled Graph (compiled)")
@@ -203,6 +206,7 @@ class ServeArgs(Settings):
             stage_resources=resources(p.stage_cpus, p.stage_gpus),
             shard_resources=resources(p.shard_cpus, p.shard_gpus),
             router_resources={"CPU": p.router_cpus}, placement_strategy=p.placement_strategy,
+            stage_transport=p.stage_transport,
             moe_dispatch=p.moe_dispatch, redundant_experts=p.redundant_experts, rebalance_steps=p.rebalance_steps,
             vision_resources=resources(p.vision_cpus, p.vision_gpus),
         )

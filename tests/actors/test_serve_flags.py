@@ -31,7 +31,7 @@ FLAGS = {
     "--block-size", "--cache-memory-mb", "--enable-prefix-caching", "--speculative-ngram", "--seed",
     "--max-queued-tokens", "--max-queue-wait-s", "--max-request-pixels", "--device", "--enforce-eager",
     "--redundant-experts", "--rebalance-steps", "--autoscale-policy", "--autoscale-ttft-ms", "--autoscale-queued-tokens",
-    "--request-router", "--affinity-max-imbalance", "--routing-stats-period-s",
+    "--request-router", "--affinity-max-imbalance", "--routing-stats-period-s", "--stage-transport",
 }
 GROUPS = [LAUNCH_GROUP, "server", "model", "parallel", "engine", "autoscaling", "routing", "media"]
 

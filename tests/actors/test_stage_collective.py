@@ -79,3 +79,14 @@ def test_gloo_hops_equal_host_and_local_and_survive_a_stage_restart(ray_cluster,
             assert runner.hop_transport == "gloo" and runner.health()["healthy"]
     finally:
         runner.shutdown()
+
+
+def test_serve_settings_offer_every_stage_transport():
+    from typing import get_args
+
+    from k3ray.actors.protocol import STAGE_TRANSPORTS
+    from k3ray.actors.serve_config import ParallelSettings, ServeArgs
+
+    assert get_args(ParallelSettings.model_fields["stage_transport"].annotation) == STAGE_TRANSPORTS
+    args = ServeArgs.model_validate({"model": {"model": "/m"}, "parallel": {"pipeline": 2, "stage_transport": "gloo"}})
+    assert args.parallel_config().stage_transport == "gloo"
