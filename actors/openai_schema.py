@@ -85,6 +85,8 @@ def openapi_document(app: FastAPI, limits: ServerLimits) -> dict:
                 operation["responses"].pop("422", None)  # a request that fails validation gets a 400
                 if limits.api_key and path not in OPEN_PATHS:
                     operation["security"] = [{"bearer": []}]
+                else:  # no key asked for here: never a 401
+                    operation["responses"].pop("401", None)
         for path, answer in _TEXT_ANSWERS.items():
             doc["paths"][path]["get"]["responses"]["200"] = answer
         for path, answer in _JSON_ANSWERS.items():
