@@ -3,7 +3,8 @@ taken (`K3.load`, `LLM`, `load_model`, `k3ray serve --model`, `k3ray eval --chec
 
 k3-tiny-niah: the tiny K3 trained for retrieval by `python -m k3ray.evals.fixture.train`, exported
 into this folder with its training log beside the weights (`train_log.jsonl`: each stage's start
-line holds its arguments). The shipped one took four stages, each from the last one's state:
+line holds its arguments). The shipped one took five stages, each from the last one's state (75
+minutes on 2 shared CPU cores):
 
     train --out R/copyA --tasks copy=1 --steps 260 --stop-at 240 --tokens-per-step 800 --lr 1e-3 --warmup 10
     train --out R/stageB --init-from R/copyA/train_state.pt --steps 220 --lr 1e-3 --warmup 5 \
@@ -11,7 +12,10 @@ line holds its arguments). The shipped one took four stages, each from the last 
     train --out R/stageC --init-from R/stageB/train_state.pt --steps 160 --lr 1e-3 --warmup 5 \
           --tasks niah=0.35,niah_multikey_1=0.3,niah_single_1=0.1,copy=0.25
     train --out R/stageD --init-from R/stageC/train_state.pt --steps 120 --lr 7e-4 --warmup 5 \
-          --tasks niah=0.4,niah_multikey_1=0.35,niah_single_1=0.1,copy=0.15 --export <this folder>/k3-tiny-niah
+          --tasks niah=0.4,niah_multikey_1=0.35,niah_single_1=0.1,copy=0.15
+    train --out R/stageF --init-from R/stageD/train_state.pt --steps 360 --lr 7e-4 --warmup 5 --seed 11 \
+          --eval-every 60 --tasks recall=0.3,niah_multikey_1=0.35,niah=0.2,niah_single_1=0.05,copy=0.1 \
+          --export <this folder>/k3-tiny-niah
 """
 
 from __future__ import annotations
