@@ -109,13 +109,19 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def serve_app():
     """Deploy k3ray's Serve app on 127.0.0.1: `serve_app(args, **deploy_options) -> base URL`
-    (a free port unless given). Ray is started for the module if needed; Serve and that Ray are
-    shut down after it."""
+    (a free port unless given), on a Ray instance of the module's own started as `k3ray serve`
+    starts one (the haproxy ingress); Serve and that Ray are shut down after it. A session-wide
+    test cluster (ray_cluster) the process is connected to is left for the module and rejoined
+    after: its nodes started without the ingress environment, so Serve on it ran its Python proxy."""
     import ray
 
     from k3ray.actors import serve_launch
+    from k3ray.actors.ray_connect import connect
 
-    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
+    previous = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    if previous is not None:
+        ray.shutdown()
+    assert serve_launch.start_ray(num_cpus=8, log_to_driver=False)
 
     def deploy(args: dict, **options) -> str:
         options.setdefault("port", free_port())
@@ -126,8 +132,9 @@ def serve_app():
         yield deploy
     finally:
         serve_launch.shutdown_serve()
-        if started:
-            ray.shutdown()
+        ray.shutdown()
+        if previous is not None:
+            connect(address=previous, log_to_driver=False)
 
 
 @pytest.fixture
