@@ -206,10 +206,10 @@ def test_health_and_metrics(client, server):
     assert json.loads(httpx.get(f"{server}/v1/models/{MODEL}").text)["id"] == MODEL
 
 
-PROBE_STREAMS = 64  # 8 run (max_num_seqs), 56 wait in the replica's queue: what this 2-core machine holds
+PROBE_STREAMS = 200  # 8 run (max_num_seqs), 192 wait in the replica's queue
 
 
-def test_health_ready_and_metrics_answer_in_under_100_ms_while_64_streams_run(server):
+def test_health_ready_and_metrics_answer_in_under_100_ms_while_200_streams_run(server):
     """HAProxy answers /health and /ready itself and sends /metrics to the replica's metrics listener,
     all outside the replica's request queue: streams that fill the replica and its queue do not slow
     them (under 300 streams they took 23 s before).
