@@ -71,14 +71,22 @@ def test_items_use_the_eval_templates_and_the_readers_answer():
         assert answer.startswith(" ") and all(ref in answer for ref in ex.references)
 
 
-def test_recall_items_answer_the_asked_key_s_value():
+def test_recall_items_ask_every_key_and_label_the_earlier_answers():
     tok, rng = ByteTokenizer(), random.Random(0)
     for _ in range(20):
         ex = data.make_example(data.RECALL_TASK, 0, rng, tok)
-        pairs, asked = tok.decode(ex.prompt).split(" | ")
+        pairs, queries = tok.decode(ex.prompt).split(" | ")
         table = dict(pair.split(": ") for pair in pairs.rstrip(".").split(". "))
-        assert asked.endswith(":") and 2 <= len(table) <= 8
-        assert tok.decode(ex.answer[:-1]) == " " + table[asked[:-1]] and ex.references == (table[asked[:-1]],)
+        ask = ":"
+        *answered, asked = queries.split(". ")
+        answered = [q.split(f"{ask} ") for q in answered]
+        asked = asked.removesuffix(ask)
+        assert 2 <= len(table) <= 8
+        assert sorted([k for k, _ in answered] + [asked]) == sorted(table)
+        assert all(table[k] == v for k, v in answered)
+        assert tok.decode(ex.answer[:-1]) == " " + table[asked] and ex.references == (table[asked],)
+        # the labelled prompt positions are exactly those predicting the earlier answers' digits
+        assert "".join(tok.decode([ex.prompt[p + 1]]) for p in ex.prompt_labels) == "".join(v for _, v in answered)
 
 
 def test_a_few_steps_lower_the_loss_and_resume_exactly(tmp_path):
@@ -88,6 +96,7 @@ def test_a_few_steps_lower_the_loss_and_resume_exactly(tmp_path):
     assert len(losses) == 8
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
     assert any("heldout" in r for r in _log(whole))
+    assert all(set(r["task_loss"]) <= set(data.TASK_MIX) | set(data.BOOTSTRAP_TASKS) for r in _log(whole) if "loss" in r)
     main(["--out", str(halves), "--steps", "8", "--stop-at", "4", *TINY_RUN])
     assert len(_losses(halves)) == 4
     main(["--out", str(halves), "--steps", "8", *TINY_RUN])
