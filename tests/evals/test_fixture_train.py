@@ -77,7 +77,7 @@ def test_recall_items_ask_every_key_and_label_the_earlier_answers():
         ex = data.make_example(data.RECALL_TASK, 0, rng, tok)
         pairs, queries = tok.decode(ex.prompt).split(" | ")
         table = dict(pair.split(": ") for pair in pairs.rstrip(".").split(". "))
-        ask = ":"
+        ask = next(a for a in data.RECALL_QUERIES if queries.endswith(a))
         *answered, asked = queries.split(". ")
         answered = [q.split(f"{ask} ") for q in answered]
         asked = asked.removesuffix(ask)
