@@ -7,6 +7,7 @@ greedy. Token-exact lengths need `POST /tokenize {"model", "prompt"}` -> `{"toke
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,19 @@ class EndpointError(RuntimeError):
     """The server answered with an error, or lacks a route the eval needs."""
 
 
+RETRYABLE = (429, 503)  # busy or not ready: the server says when to come back (Retry-After)
+MAX_RETRY_WAIT_S = 60.0
+
+
+def retry_wait(response: httpx.Response, attempt: int) -> float:
+    """Seconds to wait before retrying a busy answer: its Retry-After, else 1, 2, 4, ... s."""
+    try:
+        wait = float(response.headers.get("Retry-After", ""))
+    except ValueError:
+        wait = 2.0**attempt
+    return min(max(wait, 0.0), MAX_RETRY_WAIT_S)
+
+
 class OpenAITarget:
     def __init__(
         self,
@@ -29,6 +43,7 @@ class OpenAITarget:
         *,
         max_context: int | None = None,
         add_special_tokens: bool = True,
+        max_retries: int = 5,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
@@ -36,6 +51,8 @@ class OpenAITarget:
             raise ValueError("model must name the served model")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         root = base_url.rstrip("/")
         self.root = root[: -len("/v1")] if root.endswith("/v1") else root
         self.model = model
@@ -44,6 +61,7 @@ class OpenAITarget:
         self.max_context = max_context
         # counts must match what /v1/completions feeds the model, BOS included
         self.add_special_tokens = add_special_tokens
+        self.max_retries = max_retries  # of a 429 / 503 answer, as the openai client retries them
         self.name = f"{model}@{self.root}"
         self._client: httpx.Client | None = None
 
@@ -59,10 +77,14 @@ class OpenAITarget:
         return self._client
 
     def _post(self, route: str, payload: dict[str, Any], *, tokenizer_route: bool = False) -> dict[str, Any]:
-        try:
-            response = self.client.post(route, json=payload)
-        except httpx.HTTPError as e:
-            raise EndpointError(f"POST {self.root}{route} failed: {type(e).__name__}: {e}") from e
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = self.client.post(route, json=payload)
+            except httpx.HTTPError as e:
+                raise EndpointError(f"POST {self.root}{route} failed: {type(e).__name__}: {e}") from e
+            if response.status_code not in RETRYABLE or attempt == self.max_retries:
+                break
+            time.sleep(retry_wait(response, attempt))
         if tokenizer_route and response.status_code in (404, 405):
             raise EndpointError(
                 f"{self.root} has no {route} route (HTTP {response.status_code}); token-exact prompt lengths "

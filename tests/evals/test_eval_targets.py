@@ -12,6 +12,7 @@ from k3ray.evals import cli as eval_cli
 from k3ray.evals.openai_target import EndpointError, OpenAITarget
 from k3ray.evals.oracle import OracleTarget
 from k3ray.evals.runner import RunConfig, run_eval
+from k3ray.evals.tasks import Cell, get_task
 
 BOS = 256
 MAX_MODEL_LEN = 65_536
@@ -21,6 +22,7 @@ class _Server:
     """Byte tokenizer with a BOS id, vLLM-shaped /tokenize and /detokenize, oracle completions."""
 
     def __init__(self, tokenizer_routes=True):
+        self.busy_answers = 0  # this many completions are answered 429 first, Retry-After 0
         self.seen_prompt_tokens = []
         self.auth = set()
         self.reader = OracleTarget()
@@ -47,6 +49,9 @@ class _Server:
                     return self._send(200, {"tokens": tokens, "count": len(tokens), "max_model_len": MAX_MODEL_LEN})
                 if route == "/detokenize":
                     return self._send(200, {"prompt": bytes(t for t in body["tokens"] if t != BOS).decode()})
+                if route == "/v1/completions" and server.busy_answers > 0:
+                    server.busy_answers -= 1
+                    return self._send(429, {"error": {"code": "queue_full"}}, {"Retry-After": "0"})
                 if route == "/v1/completions":
                     server.seen_prompt_tokens.append(1 + len(body["prompt"].encode()))
                     answer = server.reader.read(body["prompt"])
@@ -57,9 +62,11 @@ class _Server:
                                                                                   "content": answer}}]})
                 return self._send(404, {"detail": "Not Found"})
 
-            def _send(self, status, payload):
+            def _send(self, status, payload, headers=()):
                 data = json.dumps(payload).encode()
                 self.send_response(status)
+                for name, value in dict(headers).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -156,3 +163,16 @@ def test_bad_target_arguments_are_refused():
         OpenAITarget("http://127.0.0.1:8000", "")
     with pytest.raises(ValueError, match="timeout"):
         OpenAITarget("http://127.0.0.1:8000", "k3", timeout=0)
+
+
+def test_busy_answers_are_retried_after_the_server_s_wait(server):
+    target = OpenAITarget(server.url, "k3", timeout=30, max_retries=3)
+    server.busy_answers = 3
+    prompt = get_task("niah").build(Cell("niah", 512, 50.0), OracleTarget(), 0).prompt
+    assert target.complete(prompt, 16) == " " + server.reader.read(prompt)
+    assert server.busy_answers == 0
+    server.busy_answers = 4  # one more than the retries: the 429 is the answer
+    with pytest.raises(EndpointError, match="HTTP 429.*queue_full"):
+        target.complete(prompt, 16)
+    with pytest.raises(ValueError, match="max_retries"):
+        OpenAITarget(server.url, "k3", max_retries=-1)
