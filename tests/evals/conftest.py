@@ -9,8 +9,15 @@ from k3ray.checkpoints import shipped_checkpoint_dir
 from k3ray.evals.runner import RunConfig, run_eval
 
 DEPTHS = (0.0, 50.0, 100.0)
+# the issue's bar (exact match, 3 depths x 10 samples, seed 0): the shipped checkpoint measured
+# 1.00 / 1.00 / 1.00 here, and a broken pipeline scores 0
+NIAH_FLOORS = {1024: 0.95, 2048: 0.95, 4096: 0.95}
 
 
+@pytest.fixture(scope="session")
+def niah_floors() -> dict[int, float]:
+    """length -> the lowest niah exact match the shipped k3-tiny-niah may score."""
+    return NIAH_FLOORS
 
 
 @pytest.fixture(scope="session")

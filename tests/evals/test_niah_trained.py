@@ -1,7 +1,8 @@
 """k3-tiny-niah retrieves, so these scores fail on a real pipeline bug (a needle at the wrong depth,
 a lost cache page, a wrong KDA snapshot): niah exact match over 3 depths x 10 samples per length,
 seed 0, through the in-process engine; a prefix-cache hit, a cold cache, chunked prefill that splits
-the haystack and n-gram speculative decoding all give the plain run's predictions."""
+the haystack and n-gram speculative decoding all give the plain run's predictions. niah_multikey_1's
+bar is not reached yet (a strict xfail)."""
 
 import pytest
 
@@ -10,9 +11,6 @@ from k3ray.engine.config import SpeculativeConfig
 from k3ray.evals.engine_target import EngineTarget
 
 ENGINE = {"max_model_len": 4608, "cache_memory_bytes": 256 << 20}
-# measured on the shipped checkpoint: 0.97, 1.00, 1.00 (30 cells each); floors leave 0.1 for CPU
-# rounding across machines, far above what a broken pipeline scores (0)
-NIAH_FLOORS = {1024: 0.85, 2048: 0.9, 4096: 0.9}
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +18,16 @@ def plain(trained_checkpoint) -> EngineTarget:
     return EngineTarget(LLM(trained_checkpoint, **ENGINE))
 
 
-def test_niah_at_1k_2k_4k(plain, trained_grid, tmp_path):
-    scores, _ = trained_grid(plain, tmp_path, "niah", tuple(NIAH_FLOORS), samples=10)
-    assert all(scores[n] >= floor for n, floor in NIAH_FLOORS.items()), scores
+def test_niah_at_1k_2k_4k(plain, trained_grid, niah_floors, tmp_path):
+    scores, _ = trained_grid(plain, tmp_path, "niah", tuple(niah_floors), samples=10)
+    assert all(scores[n] >= floor for n, floor in niah_floors.items()), scores
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21: the key lookup is half learned (0.40 here; taking one "
+                                       "of the 4 needles scores about 0.25); a pass means the floor can move up")
+def test_niah_multikey_1_at_2k_reaches_the_issue_s_bar(plain, trained_grid, tmp_path):
+    scores, _ = trained_grid(plain, tmp_path, "niah_multikey_1", (2048,), samples=10)
+    assert scores[2048] >= 0.8, scores
 
 
 @pytest.mark.parametrize("variant", ["prefix_cache_hit", "cold", "chunked_prefill", "speculative"])
