@@ -138,6 +138,28 @@ def serve_app():
 
 
 @pytest.fixture
+def k3server_replicas():
+    """`k3server_replicas()` -> the K3Server replica processes of the Ray this process is connected
+    to: a replica's parent is its node's raylet, started with that Ray's GCS address (another server
+    on the machine, a second test run's, has replicas of its own)."""
+    import psutil
+    import ray
+
+    gcs_flag = f"--gcs-address={ray.get_runtime_context().gcs_address}"
+
+    def replicas() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            if "ServeReplica:k3ray:K3Server" in " ".join(proc.info["cmdline"] or []):
+                raylet = proc.parent()
+                if raylet is not None and gcs_flag in raylet.cmdline():
+                    found.append(proc)
+        return found
+
+    return replicas
+
+
+@pytest.fixture
 def wait_until_serving():
     """`wait_until_serving(process, url, log_path, timeout_s=300)`: until `url`/v1/models answers 200,
     failing with the log's tail if the server process exits first or time runs out."""

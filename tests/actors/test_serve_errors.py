@@ -315,20 +315,15 @@ def test_disconnect_cancels_a_plain_request(server, http):
     assert m[ABORTED] == before + 1
 
 
-def test_a_dead_engine_process_fails_health_then_serve_replaces_the_replica(server, http):
+def test_a_dead_engine_process_fails_health_then_serve_replaces_the_replica(server, http, k3server_replicas):
     """The replica's engine process dies: /health turns 503 naming it, Serve's health check
     replaces the replica (with a new engine process), and requests succeed again. Last in the
     module: it restarts the server."""
     import psutil
 
     def engine_processes() -> list[psutil.Process]:
-        found = []
-        for proc in psutil.process_iter(["cmdline"]):
-            if "k3ray.engine.engine_core_proc" in " ".join(proc.info["cmdline"] or []):
-                parent = proc.parent()
-                if parent is not None and "ServeReplica:k3ray:K3Server" in " ".join(parent.cmdline()):
-                    found.append(proc)
-        return found
+        return [child for replica in k3server_replicas() for child in replica.children()
+                if "k3ray.engine.engine_core_proc" in " ".join(child.cmdline())]
 
     (victim,) = engine_processes()
     victim.kill()

@@ -187,20 +187,17 @@ def test_too_long_with_its_image_is_a_context_error(http):
     assert body["code"] == "context_length_exceeded"
 
 
-def replica_rss_mb() -> float:
-    import psutil
-
-    (replica,) = [p for p in psutil.process_iter(["cmdline"])
-                  if "ServeReplica:k3ray:K3Server" in " ".join(p.info["cmdline"] or [])]
-    return replica.memory_info().rss / 2**20
-
-
-def test_a_frame_list_over_the_pixel_budget_is_a_400_and_memory_stays_flat(http):
+def test_a_frame_list_over_the_pixel_budget_is_a_400_and_memory_stays_flat(http, k3server_replicas):
     """Four 5000 x 5000 frames (each under the per-image limit, tiny as PNGs): the third would pass
     the request's pixel budget, so it is refused before it is decoded, and the replica holds at most
     one decoded frame at a time (all four at once took ~300 MB here before)."""
     frame = png(Image.new("RGB", (5000, 5000), (40, 90, 160)))
     video = {"type": "video_url", "video_url": {"url": [data_url(frame)] * 4}}
+    (replica,) = k3server_replicas()
+
+    def replica_rss_mb() -> float:
+        return replica.memory_info().rss / 2**20
+
     before = replica_rss_mb()
     for _ in range(2):
         messages = user(text_part("?"), video)
