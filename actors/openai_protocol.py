@@ -16,7 +16,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 
 from k3ray.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
-INT64_MAX = 2**63 - 1
+# the largest int64 a double holds exactly: clients that read JSON numbers as doubles (schemathesis
+# did: it sent 2**63 + 192 as "<= 2**63 - 1") agree with the server on the bound
+MAX_SEED = 2**63 - 1024
 MAX_N = 128  # samples per prompt; bounds the sequences one request can create
 MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n
 
@@ -97,7 +99,7 @@ class SamplingFields(OpenAIModel):
     n: integer(ge=1, le=MAX_N) = 1
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: integer(ge=0, le=INT64_MAX) | None = None
+    seed: integer(ge=0, le=MAX_SEED) | None = None
     stop: StopInput = None
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream=true")

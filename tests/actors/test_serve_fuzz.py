@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3ray.actors.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from k3ray.actors.openai_protocol import (MAX_SEED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                         TokenizeRequest)
 from k3ray.actors.openai_routes import build_openai_app
 from k3ray.actors.openai_serving import OpenAIServing
 from k3ray.actors.serve_config import ServeArgs
@@ -91,7 +92,7 @@ OVERRIDES = {
     | st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=3) | st.lists(token_ids, min_size=1, max_size=3),
     "messages": st.lists(message, min_size=1, max_size=3), "tokens": token_ids,
     "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50),
-    "min_p": st.floats(0, 1), "seed": st.integers(0, 2**63 - 1), "logprobs": st.integers(0, 5),
+    "min_p": st.floats(0, 1), "seed": st.integers(0, MAX_SEED), "logprobs": st.integers(0, 5),
     "top_logprobs": st.integers(0, 5), "prompt_logprobs": st.integers(0, 3),
     "stop_token_ids": st.lists(st.integers(0, 511)),
     "presence_penalty": NEUTRAL, "frequency_penalty": NEUTRAL, "repetition_penalty": st.sampled_from([None, 1.0]),
