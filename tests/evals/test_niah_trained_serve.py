@@ -35,12 +35,9 @@ def local(trained_checkpoint) -> EngineTarget:
     return EngineTarget(LLM(trained_checkpoint, max_model_len=ENGINE["max_model_len"], cache_memory_bytes=128 << 20))
 
 
-@pytest.fixture(scope="module")
-def served(serve_app, port, trained_checkpoint) -> OpenAITarget:
-    return _serve(serve_app, port, trained_checkpoint, {})
-
-
-def test_served_niah_reaches_the_floors_with_the_engine_s_predictions(served, local, trained_grid, niah_floors, tmp_path):
+def test_served_niah_reaches_the_floors_with_the_engine_s_predictions(serve_app, port, trained_checkpoint, local,
+                                                                      trained_grid, niah_floors, tmp_path):
+    served = _serve(serve_app, port, trained_checkpoint, {})
     scores, got = trained_grid(served, tmp_path / "served", "niah", tuple(niah_floors), samples=10)
     assert all(scores[n] >= floor for n, floor in niah_floors.items()), scores
     _, want = trained_grid(local, tmp_path / "local", "niah", (2048,), samples=10)
