@@ -10,9 +10,10 @@ import torch
 
 from k3ray.api import K3
 from k3ray.evals.fixture import data
+from k3ray.evals.fixture.init_weights import initial_weights
 from k3ray.evals.fixture.kda_train import chunk_kda_train
 from k3ray.evals.fixture.model import train_logits, trainable_model
-from k3ray.evals.fixture.train import CONFIGS, LOG_FILE, main
+from k3ray.evals.fixture.train import CONFIGS, LOG_FILE, STATE_FILE, main
 from k3ray.evals.tasks import TASKS, Cell
 from k3ray.evals.oracle import OracleTarget
 from k3ray.kernels.kda import l2norm
@@ -112,3 +113,26 @@ def test_export_loads_by_path_with_mxfp4_experts_and_the_log(tmp_path):
     k3 = K3.load(str(tmp_path / "ckpt"), device="cpu")
     assert k3.model.config.expert_format == "mxfp4"
     assert 1 <= len(k3.generate(ByteTokenizer().encode("One of the special magic numbers"), max_new_tokens=4)) <= 4
+
+
+def test_training_starts_from_a_shipped_checkpoint_with_its_served_logits():
+    config = CONFIGS["niah"]()
+    model = trainable_model(config, seed=0)
+    initial_weights(model, "k3-tiny-niah")  # MXFP4 experts dequantised into the dense ones
+    served = K3.load("k3-tiny-niah", device="cpu")
+    ids = ByteTokenizer().encode("One of the special magic numbers for calm-river is: 4812093. What is")
+    want = served.logits(ids)
+    with torch.no_grad():
+        got = train_logits(model.eval(), torch.tensor([ids]), torch.arange(len(ids)))
+    torch.testing.assert_close(got, want.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_init_from_names_what_it_cannot_load(tmp_path):
+    model = trainable_model(CONFIGS["tiny"](), seed=0)
+    with pytest.raises(ValueError, match="neither a train_state.pt nor a checkpoint"):
+        initial_weights(model, str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="does not match the model"):
+        initial_weights(model, "k3-tiny-niah")  # the niah config's widths, not tiny's
+    out = tmp_path / "run"
+    main(["--out", str(out), "--steps", "1", *TINY_RUN])
+    initial_weights(trainable_model(CONFIGS["tiny"](), seed=1), str(out / STATE_FILE))
