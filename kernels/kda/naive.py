@@ -55,6 +55,20 @@ def naive_recurrent_kda(
     return o, (S if output_final_state else None)
 
 
+def split_chunks(q, k, v, g, beta, C: int) -> tuple[torch.Tensor, ...]:
+    """q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] -> fp32 chunks: q, k, v, g [B, H, N, C, *],
+    beta [B, H, N, C], T zero-padded to N * C."""
+    B, T, H, _ = q.shape
+    pad = (-T) % C
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if pad:
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    N = (T + pad) // C
+    q, k, v, g = (x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
+    return q, k, v, g, beta.view(B, N, C, H).permute(0, 3, 1, 2)
+
+
 def naive_chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -72,15 +86,8 @@ def naive_chunk_kda(
     V = v.shape[-1]
     C = chunk_size
     scale = K**-0.5 if scale is None else scale
-    pad = (-T) % C
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    if pad:
-        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-        beta = F.pad(beta, (0, 0, 0, pad))
-    N = (T + pad) // C
-    # [B, H, N, C, *]
-    q, k, v, g = (x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
-    beta = beta.view(B, N, C, H).permute(0, 3, 1, 2)
+    q, k, v, g, beta = split_chunks(q, k, v, g, beta, C)
+    N = q.shape[2]
     q = q * scale
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
