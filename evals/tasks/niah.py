@@ -26,6 +26,15 @@ def needle(noun: str, key: str, value: str) -> str:
     return f"One of the special magic {noun} for {key} is: {value}."
 
 
+QUESTION_START = "\nWhat are all the special magic "
+
+
+def question(noun: str, query: str) -> str:
+    """The prompt's tail: the question, then the start of the answer the model completes."""
+    return (f"{QUESTION_START}{noun} for {query} mentioned in the text above?"
+            f" The special magic {noun} for {query} mentioned in the text above are")
+
+
 def join_keys(keys: list[str]) -> str:
     return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + " and " + keys[-1]
 
@@ -85,11 +94,7 @@ class NeedleTask(TextTask):
             f"Some special magic {self.values} are hidden inside the following text. "
             f"Remember them: you will be asked about them afterwards.\n"
         )
-        tail = (
-            f"\nWhat are all the special magic {self.values} for {query} mentioned in the text above?"
-            f" The special magic {self.values} for {query} mentioned in the text above are"
-        )
-        return Layout.inserted(head, haystack, needles, tail, answers, depth)
+        return Layout.inserted(head, haystack, needles, question(self.values, query), answers, depth)
 
 
 def read(prompt: Prompt) -> str | None:

@@ -4,6 +4,7 @@ k3ray loads by path."""
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from k3ray.evals.fixture import data
 from k3ray.evals.fixture.init_weights import initial_weights
 from k3ray.evals.fixture.kda_train import chunk_kda_train
 from k3ray.evals.fixture.model import train_logits, trainable_model
-from k3ray.evals.fixture.train import CONFIGS, LOG_FILE, STATE_FILE, main
+from k3ray.evals.fixture.train import CONFIGS, LOG_FILE, STATE_FILE, main, parse_args, step_examples
 from k3ray.evals.tasks import TASKS, Cell
 from k3ray.evals.oracle import OracleTarget
 from k3ray.kernels.kda import l2norm
@@ -88,6 +89,39 @@ def test_recall_items_ask_every_key_and_label_the_earlier_answers():
         assert tok.decode(ex.answer[:-1]) == " " + table[asked] and ex.references == (table[asked],)
         # the labelled prompt positions are exactly those predicting the earlier answers' digits
         assert "".join(tok.decode([ex.prompt[p + 1]]) for p in ex.prompt_labels) == "".join(v for _, v in answered)
+
+
+def test_chain_items_ask_each_needle_key_in_the_eval_question_and_label_the_earlier_answers():
+    tok, rng = ByteTokenizer(), random.Random(0)
+    question_form = re.compile(r"\nWhat are all the special magic numbers for (\S+) mentioned in the text above\?"
+                               r" The special magic numbers for \1 mentioned in the text above are")
+    for _ in range(10):
+        ex = data.make_example(data.CHAIN_TASK, 600, rng, tok)
+        text = tok.decode(ex.prompt)
+        body = text[: text.index("\nWhat are all")]
+        table = dict(re.findall(r"One of the special magic numbers for (\S+) is: (\d+)\.", body))
+        asked = question_form.findall(text)
+        assert len(table) == 4 and sorted(asked) == sorted(table)  # niah_multikey_1's four needles, each asked once
+        answered = re.findall(r"mentioned in the text above are (\d+)\.", text)
+        assert answered == [table[k] for k in asked[:-1]]
+        assert "".join(tok.decode([ex.prompt[p + 1]]) for p in ex.prompt_labels) == "".join(" " + v for v in answered)
+        assert tok.decode(ex.answer) == f" {table[asked[-1]]}[EOS]" and ex.references == (table[asked[-1]],)
+        # with its answered questions removed, the item is the eval's prompt for the last key
+        assert data.answer_text(body + text[text.rindex("\nWhat are all"):]) == table[asked[-1]]
+
+
+def test_a_fixed_haystack_mix_replaces_the_curriculum():
+    tok = ByteTokenizer()
+
+    def prompt_lengths(*flags):
+        args = parse_args(["--out", "unused", "--tasks", "niah=1", "--steps", "100", *flags])
+        return [len(e.prompt) for step in range(4) for e in step_examples(args, step, tok)]
+
+    short, long = prompt_lengths("--haystacks", "60=1"), prompt_lengths("--haystacks", "400=1")
+    assert 300 < min(long) - max(short) and max(long) - min(short) < 400  # 340 more haystack characters
+    assert max(prompt_lengths()) < min(long)  # the curriculum's first steps are short
+    with pytest.raises(SystemExit, match="--haystacks sizes"):
+        parse_args(["--out", "unused", "--haystacks", "big=1"])
 
 
 def test_a_few_steps_lower_the_loss_and_resume_exactly(tmp_path):
