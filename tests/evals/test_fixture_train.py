@@ -73,17 +73,19 @@ def test_items_use_the_eval_templates_and_the_readers_answer():
         assert answer.startswith(" ") and all(ref in answer for ref in ex.references)
 
 
-def test_recall_items_ask_every_key_and_label_the_earlier_answers():
+@pytest.mark.parametrize("task, sizes", [(data.RECALL_TASK, (2, 8)), (data.RECALL_WIDE_TASK, (8, 16))])
+def test_recall_items_ask_every_key_and_label_the_earlier_answers(task, sizes):
     tok, rng = ByteTokenizer(), random.Random(0)
     for _ in range(20):
-        ex = data.make_example(data.RECALL_TASK, 0, rng, tok)
+        ex = data.make_example(task, 0, rng, tok)
+        assert ex.task == task
         pairs, queries = tok.decode(ex.prompt).split(" | ")
         table = dict(pair.split(": ") for pair in pairs.rstrip(".").split(". "))
         ask = next(a for a in data.RECALL_QUERIES if queries.endswith(a))
         *answered, asked = queries.split(". ")
         answered = [q.split(f"{ask} ") for q in answered]
         asked = asked.removesuffix(ask)
-        assert 2 <= len(table) <= 8
+        assert sizes[0] <= len(table) <= sizes[1]
         assert sorted([k for k, _ in answered] + [asked]) == sorted(table)
         assert all(table[k] == v for k, v in answered)
         assert tok.decode(ex.answer[:-1]) == " " + table[asked] and ex.references == (table[asked],)
