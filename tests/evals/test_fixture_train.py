@@ -14,7 +14,8 @@ from k3ray.evals.fixture import data
 from k3ray.evals.fixture.init_weights import initial_weights
 from k3ray.evals.fixture.kda_train import chunk_kda_train
 from k3ray.evals.fixture.model import train_logits, trainable_model
-from k3ray.evals.fixture.train import CONFIGS, LOG_FILE, STATE_FILE, main, parse_args, step_examples
+from k3ray.evals.fixture.train import (CONFIGS, LOG_FILE, STATE_FILE, batch_tensors, lead_digit_rows, main, parse_args,
+                                      step_examples)
 from k3ray.evals.tasks import TASKS, Cell
 from k3ray.evals.oracle import OracleTarget
 from k3ray.kernels.kda import l2norm
@@ -114,6 +115,17 @@ def test_needle_items_ask_each_key_in_the_eval_question_and_label_the_earlier_an
         assert data.answer_text(body + text[text.rindex("\nWhat are all"):]) == table[asked[-1]]
 
 
+def test_lead_digit_rows_are_each_answer_numbers_first_digit():
+    tok, rng = ByteTokenizer(), random.Random(0)
+    items = [data.make_example(data.NEEDLES_WIDE_TASK, 0, rng, tok), data.make_example("niah", 300, rng, tok)]
+    batch = batch_tensors(items, pad_id=511)
+    lead = lead_digit_rows(batch, torch.tensor(tok.encode("0123456789")))
+    answered = tok.decode(items[0].prompt).count(" mentioned in the text above are ")  # labelled earlier answers
+    assert lead.sum().item() == 1 + answered + 1  # needles_wide's answer and earlier answers, niah's answer
+    assert all(chr(c) in "0123456789" for c in batch.labels[lead].tolist())
+    assert [t for t, x in zip(batch.tasks, lead.tolist()) if x].count("niah") == 1
+
+
 def test_a_fixed_haystack_mix_replaces_the_curriculum():
     tok = ByteTokenizer()
 
@@ -136,6 +148,7 @@ def test_a_few_steps_lower_the_loss_and_resume_exactly(tmp_path):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
     assert any("heldout" in r for r in _log(whole))
     assert all(set(r["task_loss"]) <= set(data.TASK_MIX) | set(data.BOOTSTRAP_TASKS) for r in _log(whole) if "loss" in r)
+    assert any(set(r.get("lead_digit_loss", ())) & set(r["task_loss"]) for r in _log(whole) if "loss" in r)
     main(["--out", str(halves), "--steps", "8", "--stop-at", "4", *TINY_RUN])
     assert len(_losses(halves)) == 4
     main(["--out", str(halves), "--steps", "8", *TINY_RUN])
