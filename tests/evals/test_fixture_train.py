@@ -15,8 +15,10 @@ from k3ray.evals.fixture import data
 from k3ray.evals.fixture.init_weights import initial_weights
 from k3ray.evals.fixture.kda_train import chunk_kda_train
 from k3ray.evals.fixture.model import train_logits, trainable_model
-from k3ray.evals.fixture.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, batch_tensors, lead_digit_rows,
-                                      length_groups, main, parse_args, prompt_targets, step_examples)
+from k3ray.evals.fixture import model as fixture_model
+from k3ray.evals.fixture.model import CopySupervision
+from k3ray.evals.fixture.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, batch_tensors, copy_targets,
+                                      lead_digit_rows, length_groups, main, parse_args, prompt_targets, step_examples)
 from k3ray.evals.tasks import TASKS, Cell
 from k3ray.evals.oracle import OracleTarget
 from k3ray.kernels.kda import l2norm
@@ -143,10 +145,15 @@ def test_length_groups_keep_every_item_once_and_bound_the_padding():
     assert len(length_groups(items, slack=float("inf"))) == 1
 
 
-@pytest.mark.parametrize("lm_weight", [0.0, 0.2])
-def test_micro_batched_step_has_the_whole_batch_gradient(lm_weight):
+def _whole_batch_copy_supervision(items, width, digits):
+    flat = [(b * width + row, b * width + src) for b, e in enumerate(items) for row, src in copy_targets(e, digits)]
+    return CopySupervision(*torch.tensor(flat).T)
+
+
+@pytest.mark.parametrize("lm_weight, copy_weight", [(0.0, 0.0), (0.2, 0.0), (0.2, 0.1)])
+def test_micro_batched_step_has_the_whole_batch_gradient(lm_weight, copy_weight):
     """The length groups' accumulated gradient == the gradient of the one padded batch it replaces:
-    mean answer-row loss + lm_weight * mean prompt next-token loss."""
+    mean answer-row loss + lm_weight * mean prompt next-token loss + copy_weight * mean copy-attention loss."""
     tok, rng = ByteTokenizer(), random.Random(1)
     items = [data.make_example(task, 60, rng, tok) for task in ("copy", "recall", "niah", "copy", "needles_wide")]
     model = trainable_model(CONFIGS["tiny"](), seed=0)
@@ -154,13 +161,17 @@ def test_micro_batched_step_has_the_whole_batch_gradient(lm_weight):
 
     batch = batch_tensors(items, tok.pad_token_id)
     lm_rows, lm_labels = prompt_targets(items, batch.ids.shape[1])
-    logits = train_logits(model, batch.ids, torch.cat([batch.rows, lm_rows]))
+    copy = _whole_batch_copy_supervision(items, batch.ids.shape[1], set(digits.tolist()))
+    logits = train_logits(model, batch.ids, torch.cat([batch.rows, lm_rows]), copy=copy)
     R = len(batch.rows)
     whole = F.cross_entropy(logits[:R], batch.labels) + lm_weight * F.cross_entropy(logits[R:], lm_labels)
+    whole = whole + copy_weight * torch.stack(copy.losses).mean() / len(copy.rows)
     want = torch.autograd.grad(whole, list(model.parameters()), allow_unused=True)
 
     model.zero_grad(set_to_none=True)
-    step = accumulate_step(model, items, tok.pad_token_id, lm_weight, digits)
+    step = accumulate_step(model, items, tok.pad_token_id, lm_weight, digits, copy_weight=copy_weight)
+    if copy_weight:
+        assert step.copy_loss == pytest.approx(torch.stack(copy.losses).mean().item() / len(copy.rows), rel=1e-4)
     assert len(step.shapes) >= 3
     assert step.loss == pytest.approx(F.cross_entropy(logits[:R], batch.labels).item(), rel=1e-5)
     assert sorted(step.tasks) == sorted(batch.tasks) and step.lead.sum() == lead_digit_rows(batch, digits).sum()
@@ -169,6 +180,51 @@ def test_micro_batched_step_has_the_whole_batch_gradient(lm_weight):
             assert p.grad is None or not p.grad.any(), name
         else:  # fp32 sums in another order (KDA chunks over other padded widths): measured <= 8e-6 of scale
             torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=5e-5 * g.abs().max().item() + 1e-9, msg=name)
+
+
+def test_copy_targets_point_each_number_digit_at_its_first_occurrence():
+    tok, rng = ByteTokenizer(), random.Random(2)
+    digits = set(tok.encode("0123456789"))
+    for task in ("copy", "recall_is", "needles_wide", "niah_multikey_1", "niah"):
+        ex = data.make_example(task, 300, rng, tok)
+        seq, pairs = ex.prompt + ex.answer, copy_targets(ex, digits)
+        text = tok.decode(ex.prompt)
+        asked = ex.references[0]
+        # every digit of the answer is a row, aimed at the same digit of the answer's first occurrence
+        start = len(text[: text.index(asked)].encode())
+        first = len(ex.prompt) - 1 + tok.decode(ex.answer).index(asked)  # the row writing the first digit
+        answer_rows = [(r, s) for r, s in pairs if r >= len(ex.prompt) - 1]
+        assert answer_rows == [(first + j, start + j) for j in range(len(asked))], task
+        assert all(s < r and seq[s] == seq[r + 1] for r, s in pairs), task
+    for task in ("recall_wide", "needles_wide"):  # and every digit of the labelled earlier answers
+        ex = data.make_example(task, 0, rng, tok)
+        labelled_digits = sum(chr(ex.prompt[p + 1]).isdigit() for p in ex.prompt_labels)
+        assert len(copy_targets(ex, digits)) == labelled_digits + 7 > 7
+
+
+def test_copy_attention_loss_is_head_zeros_causal_attention_on_the_source(monkeypatch):
+    """Checked against the attention weights the forward itself uses (SDPA replaced by an explicit
+    softmax that records them): -log of head 0's weight on each source, summed, per MLA layer."""
+    tok, rng = ByteTokenizer(), random.Random(3)
+    items = [data.make_example("recall", 0, rng, tok), data.make_example("copy", 0, rng, tok)]
+    model = trainable_model(CONFIGS["tiny"](), seed=0).eval()
+    batch = batch_tensors(items, tok.pad_token_id)
+    T = batch.ids.shape[1]
+    copy = _whole_batch_copy_supervision(items, T, set(tok.encode("0123456789")))
+    seen = []
+
+    def explicit_sdpa(q, k, v, is_causal, scale):
+        w = (q @ k.transpose(-1, -2) * scale).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        seen.append(w.softmax(-1))  # [B, H, T, T]
+        return seen[-1] @ v
+
+    monkeypatch.setattr(fixture_model.F, "scaled_dot_product_attention", explicit_sdpa)
+    with torch.no_grad():
+        train_logits(model, batch.ids, batch.rows, copy=copy)
+    b, t, s = copy.rows // T, copy.rows % T, copy.targets % T
+    want = [-w[b, 0, t, s].log().sum() for w in seen]
+    assert len(want) == len(copy.losses) == sum(1 for lt in model.config.layer_types if lt != "kda") > 0
+    torch.testing.assert_close(torch.stack(copy.losses), torch.stack(want), rtol=1e-5, atol=1e-4)
 
 
 def test_a_fixed_haystack_mix_replaces_the_curriculum():
