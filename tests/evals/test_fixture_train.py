@@ -12,11 +12,10 @@ import torch.nn.functional as F
 
 from k3ray.api import K3
 from k3ray.evals.fixture import data
+from k3ray.evals.fixture import model as fixture_model
 from k3ray.evals.fixture.init_weights import initial_weights
 from k3ray.evals.fixture.kda_train import chunk_kda_train
-from k3ray.evals.fixture.model import train_logits, trainable_model
-from k3ray.evals.fixture import model as fixture_model
-from k3ray.evals.fixture.model import CopySupervision
+from k3ray.evals.fixture.model import CopySupervision, train_logits, trainable_model
 from k3ray.evals.fixture.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, batch_tensors, copy_targets,
                                       lead_digit_rows, length_groups, main, parse_args, prompt_targets, step_examples)
 from k3ray.evals.tasks import TASKS, Cell
@@ -88,7 +87,7 @@ def test_recall_items_ask_every_key_and_label_the_earlier_answers(task, sizes, s
         pairs, queries = tok.decode(ex.prompt).split(" | ")
         table = dict(pair.split(f"{sep} ") for pair in pairs.rstrip(".").split(". "))
         assert all(" " not in k and v.isdigit() and len(v) == 7 for k, v in table.items())
-        ask = next(a for a in (sep, " mentioned in the text above are") if queries.endswith(a))
+        ask = next(a for a in (sep, data.RECALL_LONG_QUERY) if queries.endswith(a))
         asked_forms.add(ask)
         *answered, asked = queries.split(". ")
         answered = [q.split(f"{ask} ") for q in answered]
