@@ -195,10 +195,15 @@ def test_copy_targets_point_each_number_digit_at_its_first_occurrence():
         answer_rows = [(r, s) for r, s in pairs if r >= len(ex.prompt) - 1]
         assert answer_rows == [(first + j, start + j) for j in range(len(asked))], task
         assert all(s < r and seq[s] == seq[r + 1] for r, s in pairs), task
+        lead = copy_targets(ex, digits, lead_only=True)  # the first digit of each copied number only
+        assert set(lead) < set(pairs) and (first, start) in lead, task
+        assert all((r - 1, s - 1) not in pairs for r, s in lead), task
     for task in ("recall_wide", "needles_wide"):  # and every digit of the labelled earlier answers
         ex = data.make_example(task, 0, rng, tok)
         labelled_digits = sum(chr(ex.prompt[p + 1]).isdigit() for p in ex.prompt_labels)
         assert len(copy_targets(ex, digits)) == labelled_digits + 7 > 7
+        numbers = sum(chr(ex.prompt[p + 1]).isdigit() and not chr(ex.prompt[p]).isdigit() for p in ex.prompt_labels)
+        assert len(copy_targets(ex, digits, lead_only=True)) == numbers + 1, task
 
 
 def test_copy_attention_loss_is_head_zeros_causal_attention_on_the_source(monkeypatch):
