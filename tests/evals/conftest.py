@@ -2,16 +2,20 @@
 the build holds the trained checkpoint (its tests skip until it is trained into the package)."""
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
 from k3ray.checkpoints import shipped_checkpoint_dir
+from k3ray.engine import LLM
+from k3ray.evals.engine_target import EngineTarget
 from k3ray.evals.runner import RunConfig, run_eval
 
 DEPTHS = (0.0, 50.0, 100.0)
 # the issue's bar (exact match, 3 depths x 10 samples, seed 0): the shipped checkpoint measured
 # 1.00 / 1.00 / 1.00 here, and a broken pipeline scores 0
 NIAH_FLOORS = {1024: 0.95, 2048: 0.95, 4096: 0.95}
+PLAIN_ENGINE = {"max_model_len": 4608, "cache_memory_bytes": 256 << 20}
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +47,30 @@ def trained_grid():
         return {int(n): s for n, s in summary["by_length"].items()}, {r["key"]: r["prediction"] for r in records}
 
     return run
+
+
+@dataclass(frozen=True)
+class PlainNiah:
+    """The in-process engine's niah grid at NIAH_FLOORS' lengths x 10 samples: what every other path
+    (served, distributed, cached, chunked, speculative) must predict."""
+    target: EngineTarget
+    scores: dict[int, float]  # length -> exact match
+    predictions: dict[str, str]  # cell key -> prediction
+    engine_options: dict  # the LLM's, for a variant that changes one
+
+    def at(self, length: int, samples: int) -> dict[str, str]:
+        """The predictions of a `samples`-sample grid at `length` (a cell's prompt depends only on the
+        seed and its key, so a smaller grid is a subset of this one)."""
+        keep = {f"/L{length}/D{d:g}/S{s}" for d in DEPTHS for s in range(samples)}
+        found = {k: v for k, v in self.predictions.items() if k[k.index("/"):] in keep}
+        assert len(found) == len(keep), sorted(self.predictions)[:3]
+        return found
+
+
+@pytest.fixture(scope="session")
+def plain_niah(trained_checkpoint, trained_grid, tmp_path_factory) -> PlainNiah:
+    """Run once for the session: the served and engine-feature tests compare to it."""
+    target = EngineTarget(LLM(trained_checkpoint, **PLAIN_ENGINE))
+    scores, predictions = trained_grid(target, tmp_path_factory.mktemp("plain-niah"), "niah", tuple(NIAH_FLOORS),
+                                       samples=10)
+    return PlainNiah(target, scores, predictions, PLAIN_ENGINE)

@@ -10,17 +10,14 @@ from k3ray.engine import LLM
 from k3ray.engine.config import SpeculativeConfig
 from k3ray.evals.engine_target import EngineTarget
 
-ENGINE = {"max_model_len": 4608, "cache_memory_bytes": 256 << 20}
-
 
 @pytest.fixture(scope="module")
-def plain(trained_checkpoint) -> EngineTarget:
-    return EngineTarget(LLM(trained_checkpoint, **ENGINE))
+def plain(plain_niah) -> EngineTarget:
+    return plain_niah.target
 
 
-def test_niah_at_1k_2k_4k(plain, trained_grid, niah_floors, tmp_path):
-    scores, _ = trained_grid(plain, tmp_path, "niah", tuple(niah_floors), samples=10)
-    assert all(scores[n] >= floor for n, floor in niah_floors.items()), scores
+def test_niah_at_1k_2k_4k(plain_niah, niah_floors):
+    assert all(plain_niah.scores[n] >= floor for n, floor in niah_floors.items()), plain_niah.scores
 
 
 @pytest.mark.xfail(strict=True, reason="issue 21: the key lookup is half learned (0.40 here; taking one "
@@ -31,11 +28,15 @@ def test_niah_multikey_1_at_2k_reaches_the_issue_s_bar(plain, trained_grid, tmp_
 
 
 @pytest.mark.parametrize("variant", ["prefix_cache_hit", "cold", "chunked_prefill", "speculative"])
-def test_engine_features_give_the_plain_predictions(plain, trained_checkpoint, trained_grid, tmp_path, variant):
-    scores, want = trained_grid(plain, tmp_path / "plain", "niah", (2048,), samples=3)
-    assert scores[2048] >= 0.5, scores  # the comparison means something only if it retrieves
+def test_engine_features_give_the_plain_predictions(plain, plain_niah, trained_checkpoint, trained_grid, tmp_path,
+                                                    variant):
+    assert plain_niah.scores[2048] >= 0.5, plain_niah.scores  # the comparison means something only if it retrieves
+    want = plain_niah.at(2048, samples=3)
     if variant == "prefix_cache_hit":
-        target = plain  # the same prompts again: every prefill resumes from cached blocks and snapshots
+        # these prompts again, just run: every prefill then resumes from cached blocks and snapshots
+        _, again = trained_grid(plain, tmp_path / "plain", "niah", (2048,), samples=3)
+        assert again == want
+        target = plain
         hits_before = plain.engine.get_stats().prefix_cache_hits
     else:
         options = {
@@ -43,7 +44,7 @@ def test_engine_features_give_the_plain_predictions(plain, trained_checkpoint, t
             "chunked_prefill": {"max_num_batched_tokens": 384},  # splits every 2K haystack into chunks
             "speculative": {"speculative": SpeculativeConfig(method="ngram", num_speculative_tokens=4)},
         }[variant]
-        target = EngineTarget(LLM(trained_checkpoint, **{**ENGINE, **options}))
+        target = EngineTarget(LLM(trained_checkpoint, **{**plain_niah.engine_options, **options}))
     _, got = trained_grid(target, tmp_path / variant, "niah", (2048,), samples=3)
     assert got == want
     if variant == "prefix_cache_hit":

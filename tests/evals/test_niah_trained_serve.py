@@ -8,8 +8,6 @@ import pytest
 
 pytest.importorskip("ray")
 
-from k3ray.engine import LLM  # noqa: E402
-from k3ray.evals.engine_target import EngineTarget  # noqa: E402
 from k3ray.evals.openai_target import OpenAITarget  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -30,24 +28,18 @@ def _serve(serve_app, port: int, checkpoint: str, parallel: dict) -> OpenAITarge
     return OpenAITarget(serve_app(args, port=port), checkpoint)
 
 
-@pytest.fixture(scope="module")
-def local(trained_checkpoint) -> EngineTarget:
-    return EngineTarget(LLM(trained_checkpoint, max_model_len=ENGINE["max_model_len"], cache_memory_bytes=128 << 20))
-
-
-def test_served_niah_reaches_the_floors_with_the_engine_s_predictions(serve_app, port, trained_checkpoint, local,
+def test_served_niah_reaches_the_floors_with_the_engine_s_predictions(serve_app, port, trained_checkpoint, plain_niah,
                                                                       trained_grid, niah_floors, tmp_path):
     served = _serve(serve_app, port, trained_checkpoint, {})
     scores, got = trained_grid(served, tmp_path / "served", "niah", tuple(niah_floors), samples=10)
     assert all(scores[n] >= floor for n, floor in niah_floors.items()), scores
-    _, want = trained_grid(local, tmp_path / "local", "niah", (2048,), samples=10)
-    assert {k: got[k] for k in want} == want
+    assert got == plain_niah.predictions  # every cell, at every length
 
 
-def test_pipeline_2_x_expert_parallel_2_gives_the_plain_predictions(serve_app, port, trained_checkpoint, local,
+def test_pipeline_2_x_expert_parallel_2_gives_the_plain_predictions(serve_app, port, trained_checkpoint, plain_niah,
                                                                     trained_grid, tmp_path):
-    scores, want = trained_grid(local, tmp_path / "local", "niah", (2048,), samples=3)
-    assert scores[2048] >= 0.5, scores
+    assert plain_niah.scores[2048] >= 0.5, plain_niah.scores
+    want = plain_niah.at(2048, samples=3)
     distributed = _serve(serve_app, port, trained_checkpoint, {"pipeline": 2, "expert_parallel": 2})
     _, got = trained_grid(distributed, tmp_path / "distributed", "niah", (2048,), samples=3)
     assert got == want
