@@ -10,6 +10,7 @@ from k3ray.checkpoints import shipped_checkpoint_dir
 from k3ray.engine import LLM
 from k3ray.evals.engine_target import EngineTarget
 from k3ray.evals.runner import RunConfig, run_eval
+from k3ray.evals.tasks import get_task
 
 DEPTHS = (0.0, 50.0, 100.0)
 # the issue's bar (exact match, 3 depths x 10 samples, seed 0): the shipped checkpoint measured
@@ -61,10 +62,7 @@ class PlainNiah:
     def at(self, length: int, samples: int) -> dict[str, str]:
         """The predictions of a `samples`-sample grid at `length` (a cell's prompt depends only on the
         seed and its key, so a smaller grid is a subset of this one)."""
-        keep = {f"/L{length}/D{d:g}/S{s}" for d in DEPTHS for s in range(samples)}
-        found = {k: v for k, v in self.predictions.items() if k[k.index("/"):] in keep}
-        assert len(found) == len(keep), sorted(self.predictions)[:3]
-        return found
+        return {cell.key: self.predictions[cell.key] for cell in get_task("niah").cells((length,), DEPTHS, samples)}
 
 
 @pytest.fixture(scope="session")

@@ -11,27 +11,21 @@ from k3ray.engine.config import SpeculativeConfig
 from k3ray.evals.engine_target import EngineTarget
 
 
-@pytest.fixture(scope="module")
-def plain(plain_niah) -> EngineTarget:
-    return plain_niah.target
-
-
 def test_niah_at_1k_2k_4k(plain_niah, niah_floors):
     assert all(plain_niah.scores[n] >= floor for n, floor in niah_floors.items()), plain_niah.scores
 
 
 @pytest.mark.xfail(strict=True, reason="issue 21: the key lookup is half learned (0.40 here; taking one "
                                        "of the 4 needles scores about 0.25); a pass means the floor can move up")
-def test_niah_multikey_1_at_2k_reaches_the_issue_s_bar(plain, trained_grid, tmp_path):
-    scores, _ = trained_grid(plain, tmp_path, "niah_multikey_1", (2048,), samples=10)
+def test_niah_multikey_1_at_2k_reaches_the_issue_s_bar(plain_niah, trained_grid, tmp_path):
+    scores, _ = trained_grid(plain_niah.target, tmp_path, "niah_multikey_1", (2048,), samples=10)
     assert scores[2048] >= 0.8, scores
 
 
 @pytest.mark.parametrize("variant", ["prefix_cache_hit", "cold", "chunked_prefill", "speculative"])
-def test_engine_features_give_the_plain_predictions(plain, plain_niah, trained_checkpoint, trained_grid, tmp_path,
-                                                    variant):
+def test_engine_features_give_the_plain_predictions(plain_niah, trained_checkpoint, trained_grid, tmp_path, variant):
     assert plain_niah.scores[2048] >= 0.5, plain_niah.scores  # the comparison means something only if it retrieves
-    want = plain_niah.at(2048, samples=3)
+    want, plain = plain_niah.at(2048, samples=3), plain_niah.target
     if variant == "prefix_cache_hit":
         # these prompts again, just run: every prefill then resumes from cached blocks and snapshots
         _, again = trained_grid(plain, tmp_path / "plain", "niah", (2048,), samples=3)
