@@ -77,7 +77,8 @@ def test_items_use_the_eval_templates_and_the_readers_answer():
 
 
 @pytest.mark.parametrize("task, sizes, sep", [(data.RECALL_TASK, (2, 8), ":"), (data.RECALL_WIDE_TASK, (8, 16), ":"),
-                                             (data.RECALL_IS_TASK, (6, 14), " is:")])
+                                             (data.RECALL_IS_TASK, (6, 14), " is:"), ("recall_letter", (2, 10), ":"),
+                                             ("recall_short", (4, 12), ":")])
 def test_recall_items_ask_every_key_and_label_the_earlier_answers(task, sizes, sep):
     tok, rng = ByteTokenizer(), random.Random(0)
     asked_forms = set()
@@ -87,6 +88,9 @@ def test_recall_items_ask_every_key_and_label_the_earlier_answers(task, sizes, s
         pairs, queries = tok.decode(ex.prompt).split(" | ")
         table = dict(pair.split(f"{sep} ") for pair in pairs.rstrip(".").split(". "))
         assert all(" " not in k and v.isdigit() and len(v) == 7 for k, v in table.items())
+        if task in data.LETTER_KEY_TASKS:  # the curriculum's short keys, each of the rung's length
+            low, high = data.LETTER_KEY_TASKS[task]
+            assert all(k.isalpha() and k.islower() and low <= len(k) <= high for k in table)
         ask = next(a for a in (sep, data.RECALL_LONG_QUERY) if queries.endswith(a))
         asked_forms.add(ask)
         *answered, asked = queries.split(". ")
