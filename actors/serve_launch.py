@@ -79,10 +79,9 @@ def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init
     if ray.is_initialized():
         return False
     if address is None:
-        os.environ.update(ingress_environment(ingress))  # Ray's processes inherit it from here
+        os.environ.update(local_environment(ingress))  # Ray's processes inherit it from here
         # Serve read it when imported, and checks an app's ingress request router against it here
         serve_constants.RAY_SERVE_ENABLE_HA_PROXY = serve_build_app.RAY_SERVE_ENABLE_HA_PROXY = ingress == "haproxy"
-        os.environ.update(isolation_environment(make_runtime_dir()))  # this server's own ports and files
         # node address 127.0.0.1: every connection stays on loopback, Ray's agents and exporters
         # bind to it (not 0.0.0.0)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -90,12 +89,19 @@ def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init
         # this its node address was the machine's and its agents listened on every interface
         cluster_mode = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
-        # Serve's 5 s for its proxy (HAProxy) to come up killed it on a busy machine
-        os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_S)
         _start_local({"include_dashboard": False, "_node_ip_address": LOOPBACK, **init_kwargs})
     else:
         connect(address=address, **init_kwargs)
     return True
+
+
+def local_environment(ingress: str) -> dict[str, str]:
+    """What the processes of a Ray instance started here for Serve inherit: `ingress`, this
+    instance's own ports and HAProxy files (a new runtime folder) and the proxy's start-up time."""
+    # Serve's 5 s for its proxy (HAProxy) to come up killed it on a busy machine
+    ready_s = os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_S)
+    return {**ingress_environment(ingress), **isolation_environment(make_runtime_dir()),
+            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": ready_s}
 
 
 def _start_local(init_kwargs: dict) -> None:

@@ -106,13 +106,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServeRay:
+    """The Ray instance the modules' Serve apps run on: started, as `k3ray serve` starts its own
+    (loopback, the haproxy ingress, its own ports and HAProxy files), by the first module that
+    deploys, and stopped after the last one (an idle Ray costs the other tests CPU). Its processes
+    are their own, so the driver can leave it for ray_cluster and rejoin."""
+
+    def __init__(self):
+        self.head = None
+        self.environment: dict[str, str] = {}
+
+    def address(self) -> str:
+        if self.head is None:
+            from ray.cluster_utils import Cluster
+
+            from k3ray.actors import serve_launch
+            from k3ray.actors.ray_connect import neutral_cwd
+
+            self.environment = serve_launch.local_environment("haproxy")
+            with pytest.MonkeyPatch.context() as patch, neutral_cwd():
+                for name, value in self.environment.items():
+                    patch.setenv(name, value)
+                self.head = Cluster(initialize_head=True, head_node_args={
+                    "num_cpus": 8, "include_dashboard": False, "node_ip_address": serve_launch.LOOPBACK,
+                    "object_store_memory": 512 << 20})
+        return self.head.address
+
+    def stop(self) -> None:
+        from k3ray.actors.serve_isolation import remove_runtime_dir
+
+        if self.head is not None:
+            self.head.shutdown()
+            remove_runtime_dir(self.environment["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
+            self.head = None
+
+
+@pytest.fixture(scope="session")
+def serve_ray():
+    ray_for_serve = ServeRay()
+    try:
+        yield ray_for_serve
+    finally:
+        ray_for_serve.stop()
+
+
+def later_modules_use(request, fixture: str) -> bool:
+    """Whether a test of a module after request's (in this run's order) uses `fixture`."""
+    items = request.session.items
+    last = max(i for i, item in enumerate(items) if item.module is request.module)
+    return any(fixture in item.fixturenames for item in items[last + 1:])
+
+
 @pytest.fixture(scope="module")
-def serve_app():
-    """Deploy k3ray's Serve app on 127.0.0.1: `serve_app(args, **deploy_options) -> base URL`
-    (a free port unless given), on a Ray instance of the module's own started as `k3ray serve`
-    starts one (the haproxy ingress); Serve and that Ray are shut down after it. A session-wide
-    test cluster (ray_cluster) the process is connected to is left for the module and rejoined
-    after: its nodes started without the ingress environment, so Serve on it ran its Python proxy."""
+def serve_app(serve_ray, request):
+    """Deploy k3ray's Serve app on 127.0.0.1: `serve_app(args, **deploy_options) -> base URL` (a free
+    port unless given), on the Serve Ray (serve_ray) with this process's environment as `k3ray serve`
+    has it; Serve is shut down after the module (its apps, replicas, placement groups and HAProxy),
+    so the next module's starts clean. A session-wide test cluster (ray_cluster) the process is
+    connected to is left for the module and rejoined after."""
     import ray
 
     from k3ray.actors import serve_launch
@@ -121,20 +172,28 @@ def serve_app():
     previous = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
     if previous is not None:
         ray.shutdown()
-    assert serve_launch.start_ray(num_cpus=8, log_to_driver=False)
+    address = serve_ray.address()
 
     def deploy(args: dict, **options) -> str:
         options.setdefault("port", free_port())
         options.setdefault("proxy_location", "HeadOnly")
         return serve_launch.deploy(args, **options)
 
-    try:
-        yield deploy
-    finally:
-        serve_launch.shutdown_serve()
-        ray.shutdown()
-        if previous is not None:
-            connect(address=previous, log_to_driver=False)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in serve_ray.environment.items():
+            patch.setenv(name, value)
+        for module in (serve_launch.serve_constants, serve_launch.serve_build_app):
+            patch.setattr(module, "RAY_SERVE_ENABLE_HA_PROXY", True)
+        connect(address=address, log_to_driver=False)
+        try:
+            yield deploy
+        finally:
+            serve_launch.shutdown_serve()
+            ray.shutdown()
+    if not later_modules_use(request, "serve_app"):
+        serve_ray.stop()
+    if previous is not None:
+        connect(address=previous, log_to_driver=False)
 
 
 @pytest.fixture

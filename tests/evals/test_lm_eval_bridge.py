@@ -5,7 +5,6 @@ checked against the in-process `k3ray` lm-eval model on the same checkpoint (its
 against the plain model API in test_lm_eval_model.py)."""
 
 import json
-import socket
 
 import httpx
 import pytest
@@ -28,29 +27,10 @@ LOGPROB_ATOL = 1e-3  # fp32 on both sides; batched / chunked prefill only reorde
 ROLLING_RTOL = 1e-6
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    from ray import serve
-
-    from k3ray.actors import serve_launch
-
-    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
-    try:
-        yield serve_launch.deploy(
-            {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
-             "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16}},
-            port=free_port(), proxy_location="HeadOnly",
-        )
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+def server(serve_app, tiny_checkpoint):
+    return serve_app({"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+                      "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16}})
 
 
 def flag(value) -> bool:

@@ -6,7 +6,6 @@ prefill is quadratic (3 MLA layers attend to the whole context): the same cell t
 `k3ray eval niah --model` took 3,296 s at 2.37 GiB peak RSS (README, "Measured")."""
 
 import json
-import socket
 
 import pytest
 
@@ -26,11 +25,6 @@ RECORD_FIELDS = ("prompt_sha256", "prompt_tokens", "needle_depth", "answers", "m
 REPORT_FILES = {"results.jsonl", "config.json", "summary.json", "heatmap.png", "report.md", "report.html"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def serve_args(checkpoint: str) -> dict:
     return {"model": {"model": checkpoint}, "server": {"served_model_name": MODEL},
@@ -38,18 +32,8 @@ def serve_args(checkpoint: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    from ray import serve
-
-    from k3ray.actors import serve_launch
-
-    started = serve_launch.start_ray(num_cpus=8, log_to_driver=False)
-    try:
-        yield serve_launch.deploy(serve_args(tiny_checkpoint), port=free_port(), proxy_location="HeadOnly")
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+def server(serve_app, tiny_checkpoint):
+    return serve_app(serve_args(tiny_checkpoint))
 
 
 @pytest.fixture(scope="module")
