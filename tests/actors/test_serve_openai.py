@@ -3,6 +3,7 @@ echoed prompt logprobs are checked against the tiny K3 run directly (`K3`, no en
 
 import json
 import os
+import time
 
 import httpx
 import pytest
@@ -212,7 +213,8 @@ PROBE_STREAMS = 200  # 8 run (max_num_seqs), 192 wait in the replica's queue
 def test_health_ready_and_metrics_answer_in_under_100_ms_while_200_streams_run(server):
     """HAProxy answers /health and /ready itself and sends /metrics to the replica's metrics listener,
     all outside the replica's request queue: streams that fill the replica and its queue do not slow
-    them (under 300 streams they took 23 s before).
+    them (under 300 streams they took 23 s before). Then the clients leave, and the engine must be idle
+    within 60 s (generating the streams to the end took about 100 s here).
     Timed by curl, so the test's own streams do not hold the clock."""
     import asyncio
     import subprocess
@@ -248,8 +250,16 @@ def test_health_ready_and_metrics_answer_in_under_100_ms_while_200_streams_run(s
                 for path in ("/health", "/ready", "/metrics"):
                     answer = await asyncio.to_thread(probe, path)
                     probes.append((path, *answer, sum(not t.done() for t in tasks)))
-            await asyncio.gather(*tasks)
+            for task in tasks:  # the clients leave: their streams' generations must be cancelled
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             return probes
+
+    def busy() -> tuple[float, float]:
+        """(running, waiting) sequences in the replica's engine, from /metrics."""
+        values = dict(line.rsplit(" ", 1) for line in httpx.get(f"{server}/metrics").text.splitlines()
+                      if line.startswith(("k3ray:num_requests_running", "k3ray:num_requests_waiting")))
+        return tuple(float(v) for k, v in sorted(values.items()))
 
     pids_before = haproxy_pids()
     probes = asyncio.run(under_load())
@@ -261,6 +271,10 @@ def test_health_ready_and_metrics_answer_in_under_100_ms_while_200_streams_run(s
     assert all(p[1] == 200 for p in probes), seen
     assert all(answered_by == "ingress" for path, _, _, _, answered_by, _ in probes if path != "/metrics"), seen
     assert max(p[2] for p in loaded) < 0.1, seen
+    deadline = time.monotonic() + 60  # 200 x 128 tokens take about 100 s to generate here
+    while busy() != (0.0, 0.0):
+        assert time.monotonic() < deadline, f"the closed streams still hold the engine: {busy()}"
+        time.sleep(0.5)
 
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
