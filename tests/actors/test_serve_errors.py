@@ -235,7 +235,9 @@ def test_overload_answers_429_with_retry_after(server, http):
 
 def test_a_queue_full_of_prompt_tokens_answers_429_at_once(queue_server):
     """One stream holds the engine's only sequence; of two 10-token requests behind it, the first
-    waits in the replica's queue and the second would take it past 16 tokens: a fast 429."""
+    waits in the replica's queue and the second would take it past 16 tokens: a fast 429, whose
+    Retry-After is the configured 2 s or the queue's expected wait if longer (3 s seen on a loaded
+    machine), the same figure its message gives."""
     resp, client, _lines = hold_a_stream(queue_server)
     results: dict[int, tuple[httpx.Response, float]] = {}
 
@@ -254,7 +256,9 @@ def test_a_queue_full_of_prompt_tokens_answers_429_at_once(queue_server):
             assert time.monotonic() < deadline, "neither request was answered while the stream ran"
             time.sleep(0.05)
         ((refused, took),) = results.values()
-        assert error_of(refused, 429)["code"] == "queue_full" and refused.headers["retry-after"] == "2"
+        error, retry = error_of(refused, 429), refused.headers["retry-after"]
+        assert error["code"] == "queue_full" and 2 <= int(retry) <= 60, retry
+        assert f"retry after {retry} s" in error["message"], error
         assert took < 5, took
     finally:
         resp.close()
