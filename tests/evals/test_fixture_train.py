@@ -3,6 +3,7 @@ steps that lower the loss, an exact resume, data in the eval prompts' formats, a
 k3ray loads by path."""
 
 import json
+import math
 import random
 import re
 
@@ -17,7 +18,7 @@ from k3ray.evals.fixture.init_weights import initial_weights
 from k3ray.evals.fixture.kda_train import chunk_kda_train
 from k3ray.evals.fixture.model import CopySupervision, train_logits, trainable_model
 from k3ray.evals.fixture.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, batch_tensors, copy_targets,
-                                      lead_digit_rows, length_groups, main, parse_args, prompt_targets, step_examples)
+                                      gather_targets, lead_digit_rows, length_groups, main, parse_args, prompt_targets, step_examples)
 from k3ray.evals.tasks import TASKS, Cell
 from k3ray.evals.oracle import OracleTarget
 from k3ray.kernels.kda import l2norm
@@ -148,15 +149,22 @@ def test_length_groups_keep_every_item_once_and_bound_the_padding():
     assert len(length_groups(items, slack=float("inf"))) == 1
 
 
-def _whole_batch_copy_supervision(items, width, digits):
+def _whole_batch_copy_supervision(items, width, digits, gather=False):
     flat = [(b * width + row, b * width + src) for b, e in enumerate(items) for row, src in copy_targets(e, digits)]
-    return CopySupervision(*torch.tensor(flat).T)
+    copy = CopySupervision(*torch.tensor(flat).T)
+    if gather:
+        flat = [(b * width + row, b * width + start, b * width + end) for b, e in enumerate(items)
+                for row, start, end in gather_targets(e, copy_targets(e, digits, lead_only=True))]
+        copy.gather_rows, copy.gather_starts, copy.gather_ends = torch.tensor(flat).T
+    return copy
 
 
-@pytest.mark.parametrize("lm_weight, copy_weight", [(0.0, 0.0), (0.2, 0.0), (0.2, 0.1)])
-def test_micro_batched_step_has_the_whole_batch_gradient(lm_weight, copy_weight):
+@pytest.mark.parametrize("lm_weight, copy_weight, gather_weight", [(0.0, 0.0, 0.0), (0.2, 0.0, 0.0), (0.2, 0.1, 0.0),
+                                                                   (0.0, 0.1, 0.3)])
+def test_micro_batched_step_has_the_whole_batch_gradient(lm_weight, copy_weight, gather_weight):
     """The length groups' accumulated gradient == the gradient of the one padded batch it replaces:
-    mean answer-row loss + lm_weight * mean prompt next-token loss + copy_weight * mean copy-attention loss."""
+    mean answer-row loss + lm_weight * mean prompt next-token loss + copy_weight * mean copy-attention loss
+    + gather_weight * mean key-gather attention loss."""
     tok, rng = ByteTokenizer(), random.Random(1)
     items = [data.make_example(task, 60, rng, tok) for task in ("copy", "recall", "niah", "copy", "needles_wide")]
     model = trainable_model(CONFIGS["tiny"](), seed=0)
@@ -164,17 +172,22 @@ def test_micro_batched_step_has_the_whole_batch_gradient(lm_weight, copy_weight)
 
     batch = batch_tensors(items, tok.pad_token_id)
     lm_rows, lm_labels = prompt_targets(items, batch.ids.shape[1])
-    copy = _whole_batch_copy_supervision(items, batch.ids.shape[1], set(digits.tolist()))
+    copy = _whole_batch_copy_supervision(items, batch.ids.shape[1], set(digits.tolist()), gather=gather_weight > 0)
     logits = train_logits(model, batch.ids, torch.cat([batch.rows, lm_rows]), copy=copy)
     R = len(batch.rows)
     whole = F.cross_entropy(logits[:R], batch.labels) + lm_weight * F.cross_entropy(logits[R:], lm_labels)
     whole = whole + copy_weight * torch.stack(copy.losses).mean() / len(copy.rows)
+    if gather_weight:
+        whole = whole + gather_weight * copy.gather_losses[0] / len(copy.gather_rows)
     want = torch.autograd.grad(whole, list(model.parameters()), allow_unused=True)
 
     model.zero_grad(set_to_none=True)
-    step = accumulate_step(model, items, tok.pad_token_id, lm_weight, digits, copy_weight=copy_weight)
+    step = accumulate_step(model, items, tok.pad_token_id, lm_weight, digits, copy_weight=copy_weight,
+                           gather_weight=gather_weight)
     if copy_weight:
         assert step.copy_loss == pytest.approx(torch.stack(copy.losses).mean().item() / len(copy.rows), rel=1e-4)
+    if gather_weight:
+        assert step.gather_loss == pytest.approx(copy.gather_losses[0].item() / len(copy.gather_rows), rel=1e-4)
     assert len(step.shapes) >= 3
     assert step.loss == pytest.approx(F.cross_entropy(logits[:R], batch.labels).item(), rel=1e-5)
     assert sorted(step.tasks) == sorted(batch.tasks) and step.lead.sum() == lead_digit_rows(batch, digits).sum()
@@ -210,6 +223,23 @@ def test_copy_targets_point_each_number_digit_at_its_first_occurrence():
         assert len(copy_targets(ex, digits, lead_only=True)) == numbers + 1, task
 
 
+def forward_recording_attention(monkeypatch, model, batch, copy) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """train_logits with SDPA replaced by an explicit softmax: each MLA layer's attention weights
+    [B, H, T, T] and its (zero-padded) values [B, H, T, d], the weights the forward itself uses."""
+    T = batch.ids.shape[1]
+    seen = []
+
+    def explicit_sdpa(q, k, v, is_causal, scale):
+        w = (q @ k.transpose(-1, -2) * scale).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        seen.append((w.softmax(-1), v))
+        return seen[-1][0] @ v
+
+    monkeypatch.setattr(fixture_model.F, "scaled_dot_product_attention", explicit_sdpa)
+    with torch.no_grad():
+        train_logits(model, batch.ids, batch.rows, copy=copy)
+    return seen
+
+
 def test_copy_attention_loss_is_head_zeros_causal_attention_on_the_source(monkeypatch):
     """Checked against the attention weights the forward itself uses (SDPA replaced by an explicit
     softmax that records them): -log of head 0's weight on each source, summed, per MLA layer."""
@@ -219,20 +249,71 @@ def test_copy_attention_loss_is_head_zeros_causal_attention_on_the_source(monkey
     batch = batch_tensors(items, tok.pad_token_id)
     T = batch.ids.shape[1]
     copy = _whole_batch_copy_supervision(items, T, set(tok.encode("0123456789")))
-    seen = []
-
-    def explicit_sdpa(q, k, v, is_causal, scale):
-        w = (q @ k.transpose(-1, -2) * scale).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-        seen.append(w.softmax(-1))  # [B, H, T, T]
-        return seen[-1] @ v
-
-    monkeypatch.setattr(fixture_model.F, "scaled_dot_product_attention", explicit_sdpa)
-    with torch.no_grad():
-        train_logits(model, batch.ids, batch.rows, copy=copy)
+    seen = [w for w, _ in forward_recording_attention(monkeypatch, model, batch, copy)]
     b, t, s = copy.rows // T, copy.rows % T, copy.targets % T
     want = [-w[b, 0, t, s].log().sum() for w in seen]
     assert len(want) == len(copy.losses) == sum(1 for lt in model.config.layer_types if lt != "kda") > 0
     torch.testing.assert_close(torch.stack(copy.losses), torch.stack(want), rtol=1e-5, atol=1e-4)
+
+
+def test_gather_targets_span_the_copied_numbers_key_at_the_number_and_at_the_question():
+    tok, rng = ByteTokenizer(), random.Random(4)
+    digits = set(tok.encode("0123456789"))
+    for task in ("niah_multikey_1", "recall", "recall_is", "recall_letter", "multikey_chain"):
+        ex = data.make_example(task, 300, rng, tok)
+        text = tok.decode(ex.prompt + ex.answer)
+        pairs = copy_targets(ex, digits, lead_only=True)
+        spans = gather_targets(ex, pairs)
+        assert len(spans) == 2 * len(pairs) > 0, task
+        for (row, source), stored, asked in zip(pairs, spans[::2], spans[1::2]):
+            key = text[stored[1] : stored[2]]
+            number = re.match(r"\d+", text[source:]).group()
+            assert stored[0] == source and re.search(rf"(^|[ \n]){re.escape(key)}( is)?: {number}", text), task
+            assert asked[0] == row and text[asked[1] : asked[2]] == key and source < asked[1] < row, task
+            assert key not in text[asked[2] : row + 1], task  # the question's key is its last mention
+    assert gather_targets(data.make_example("copy", 0, rng, tok), [(30, 2)]) == []  # a copied number has no key
+
+
+def _gather_case(seed: int, *tasks: tuple[str, int]):
+    """-> the tiny model, a batch of items of (task, haystack), its copy supervision with gather spans."""
+    tok, rng = ByteTokenizer(), random.Random(seed)
+    items = [data.make_example(task, haystack, rng, tok) for task, haystack in tasks]
+    batch = batch_tensors(items, tok.pad_token_id)
+    copy = _whole_batch_copy_supervision(items, batch.ids.shape[1], set(tok.encode("0123456789")), gather=True)
+    return trainable_model(CONFIGS["tiny"](), seed=0).eval(), batch, copy
+
+
+def test_gather_loss_is_the_first_mla_layers_head_one_divergence_from_reading_the_key_evenly(monkeypatch):
+    """KL(uniform on each key span || head 1's attention weights), in the first MLA layer only (the
+    copy rows then supervise the later MLA layers), against the weights the forward itself uses."""
+    model, batch, copy = _gather_case(5, ("recall", 0), ("recall_is", 0))
+    T = batch.ids.shape[1]
+    seen = [w for w, _ in forward_recording_attention(monkeypatch, model, batch, copy)]
+    first = seen[0][:, fixture_model.GATHER_HEAD]  # [B, T, T]
+    spans = zip(copy.gather_rows.tolist(), copy.gather_starts.tolist(), copy.gather_ends.tolist())
+    want = sum(-first[r // T, r % T, s % T : e % T].log().mean() - math.log(e - s) for r, s, e in spans)
+    assert len(copy.gather_losses) == 1 and len(copy.losses) == len(seen) - 1 > 0
+    torch.testing.assert_close(copy.gather_losses[0], want, rtol=1e-5, atol=1e-4)
+    b, t, s = copy.rows // T, copy.rows % T, copy.targets % T
+    torch.testing.assert_close(torch.stack(copy.losses), torch.stack([-w[b, 0, t, s].log().sum() for w in seen[1:]]),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_fingerprint_contrast_is_each_questions_softmax_over_the_gathered_numbers(monkeypatch):
+    """-log of the summed softmax (cosines / temperature) over the numbers of the question's own key, the
+    fingerprints being head 1's outputs of the first MLA layer at the numbers and at the questions."""
+    model, batch, copy = _gather_case(6, ("recall", 0), ("niah_multivalue", 200))
+    T = batch.ids.shape[1]
+    keys = [tuple(batch.ids.flatten()[s:e].tolist()) for s, e in zip(copy.gather_starts[0::2], copy.gather_ends[0::2])]
+    copy.gather_key_ids = torch.tensor([keys.index(key) for key in keys])
+    assert len(set(keys)) < len(keys)  # niah_multivalue's numbers share their key: several right answers
+    w, v = forward_recording_attention(monkeypatch, model, batch, copy)[0]
+    head = fixture_model.GATHER_HEAD
+    out = torch.stack([w[r // T, head, r % T] @ v[r // T, head, :, : model.config.v_head_dim] for r in copy.gather_rows])
+    out = F.normalize(out, dim=-1)
+    p_own = ((out[1::2] @ out[0::2].T) / fixture_model.CONTRAST_TEMPERATURE).softmax(-1)
+    same = copy.gather_key_ids[:, None] == copy.gather_key_ids[None, :]
+    torch.testing.assert_close(copy.contrast_losses[0], -(p_own * same).sum(-1).log().sum(), rtol=1e-5, atol=1e-4)
 
 
 def test_a_fixed_haystack_mix_replaces_the_curriculum():
@@ -262,6 +343,21 @@ def test_a_few_steps_lower_the_loss_and_resume_exactly(tmp_path):
     assert len(_losses(halves)) == 4
     main(["--out", str(halves), "--steps", "8", *TINY_RUN])
     assert _losses(halves) == pytest.approx(losses, rel=1e-3)
+
+
+def test_frozen_parameters_keep_their_values_and_the_rest_train(tmp_path):
+    out = tmp_path / "run"
+    main(["--out", str(out), "--steps", "2", "--freeze", r"model\.layers\.0\.", "--freeze", r"model\.embed",
+          "--gather-attention", "0.5", "--copy-attention", "0.3", *TINY_RUN])
+    start = trainable_model(CONFIGS["tiny"](), seed=0).state_dict()
+    trained = torch.load(out / STATE_FILE, weights_only=True)["model"]
+    frozen = [n for n in start if n.startswith(("model.layers.0.", "model.embed")) and "correction_bias" not in n]
+    assert frozen and all(torch.equal(trained[n], start[n]) for n in frozen)
+    assert not torch.equal(trained["model.layers.1.self_attn.q_proj.weight"], start["model.layers.1.self_attn.q_proj.weight"])
+    assert _log(out)[0]["frozen"] == len(frozen) + sum("correction_bias" in n for n in start if n.startswith("model.layers.0."))
+    assert all(r["gather_attention_loss"] > 0 for r in _log(out) if "loss" in r)
+    with pytest.raises(SystemExit, match="matches no parameter"):
+        main(["--out", str(tmp_path / "other"), "--steps", "1", "--freeze", "model.layer0", *TINY_RUN])
 
 
 def test_export_loads_by_path_with_mxfp4_experts_and_the_log(tmp_path):
