@@ -223,15 +223,15 @@ def test_copy_targets_point_each_number_digit_at_its_first_occurrence():
         assert len(copy_targets(ex, digits, lead_only=True)) == numbers + 1, task
 
 
-def forward_recording_attention(monkeypatch, model, batch, copy) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def forward_recording_attention(monkeypatch, model, batch, copy) -> list[tuple[torch.Tensor, ...]]:
     """train_logits with SDPA replaced by an explicit softmax: each MLA layer's attention weights
-    [B, H, T, T] and its (zero-padded) values [B, H, T, d], the weights the forward itself uses."""
+    [B, H, T, T], its (zero-padded) values [B, H, T, d], queries, keys and scale, as the forward uses them."""
     T = batch.ids.shape[1]
     seen = []
 
     def explicit_sdpa(q, k, v, is_causal, scale):
         w = (q @ k.transpose(-1, -2) * scale).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-        seen.append((w.softmax(-1), v))
+        seen.append((w.softmax(-1), v, q, k, scale))
         return seen[-1][0] @ v
 
     monkeypatch.setattr(fixture_model.F, "scaled_dot_product_attention", explicit_sdpa)
@@ -249,7 +249,7 @@ def test_copy_attention_loss_is_head_zeros_causal_attention_on_the_source(monkey
     batch = batch_tensors(items, tok.pad_token_id)
     T = batch.ids.shape[1]
     copy = _whole_batch_copy_supervision(items, T, set(tok.encode("0123456789")))
-    seen = [w for w, _ in forward_recording_attention(monkeypatch, model, batch, copy)]
+    seen = [w for w, *_ in forward_recording_attention(monkeypatch, model, batch, copy)]
     b, t, s = copy.rows // T, copy.rows % T, copy.targets % T
     want = [-w[b, 0, t, s].log().sum() for w in seen]
     assert len(want) == len(copy.losses) == sum(1 for lt in model.config.layer_types if lt != "kda") > 0
@@ -288,7 +288,7 @@ def test_gather_loss_is_the_first_mla_layers_head_one_divergence_from_reading_th
     copy rows then supervise the later MLA layers), against the weights the forward itself uses."""
     model, batch, copy = _gather_case(5, ("recall", 0), ("recall_is", 0))
     T = batch.ids.shape[1]
-    seen = [w for w, _ in forward_recording_attention(monkeypatch, model, batch, copy)]
+    seen = [w for w, *_ in forward_recording_attention(monkeypatch, model, batch, copy)]
     first = seen[0][:, fixture_model.GATHER_HEAD]  # [B, T, T]
     spans = zip(copy.gather_rows.tolist(), copy.gather_starts.tolist(), copy.gather_ends.tolist())
     want = sum(-first[r // T, r % T, s % T : e % T].log().mean() - math.log(e - s) for r, s, e in spans)
@@ -299,21 +299,26 @@ def test_gather_loss_is_the_first_mla_layers_head_one_divergence_from_reading_th
                                rtol=1e-5, atol=1e-4)
 
 
-def test_fingerprint_contrast_is_each_questions_softmax_over_the_gathered_numbers(monkeypatch):
-    """-log of the summed softmax (cosines / temperature) over the numbers of the question's own key, the
-    fingerprints being head 1's outputs of the first MLA layer at the numbers and at the questions."""
+def test_fingerprint_contrast_and_match_are_each_questions_softmax_over_the_gathered_numbers(monkeypatch):
+    """-log of the summed softmax over the numbers of the question's own key: of cosines / temperature
+    between head 1's outputs of the first MLA layer (the fingerprint contrast), and of the second MLA
+    layer's head-0 attention scores (the match)."""
     model, batch, copy = _gather_case(6, ("recall", 0), ("niah_multivalue", 200))
     T = batch.ids.shape[1]
     keys = [tuple(batch.ids.flatten()[s:e].tolist()) for s, e in zip(copy.gather_starts[0::2], copy.gather_ends[0::2])]
-    copy.gather_key_ids = torch.tensor([keys.index(key) for key in keys])
+    copy.gather_key_ids, copy.contrast, copy.match = torch.tensor([keys.index(key) for key in keys]), True, True
     assert len(set(keys)) < len(keys)  # niah_multivalue's numbers share their key: several right answers
-    w, v = forward_recording_attention(monkeypatch, model, batch, copy)[0]
+    (w, v, *_), (_, _, q, k, scale), *_ = forward_recording_attention(monkeypatch, model, batch, copy)
     head = fixture_model.GATHER_HEAD
     out = torch.stack([w[r // T, head, r % T] @ v[r // T, head, :, : model.config.v_head_dim] for r in copy.gather_rows])
     out = F.normalize(out, dim=-1)
     p_own = ((out[1::2] @ out[0::2].T) / fixture_model.CONTRAST_TEMPERATURE).softmax(-1)
     same = copy.gather_key_ids[:, None] == copy.gather_key_ids[None, :]
     torch.testing.assert_close(copy.contrast_losses[0], -(p_own * same).sum(-1).log().sum(), rtol=1e-5, atol=1e-4)
+    # hop 2: the second MLA layer's head-0 attention scores of each question on every gathered number
+    rows = copy.gather_rows
+    scores = q[rows[1::2] // T, 0, rows[1::2] % T] @ k[rows[0::2] // T, 0, rows[0::2] % T].T * scale
+    torch.testing.assert_close(copy.match_losses[0], -(scores.softmax(-1) * same).sum(-1).log().sum(), rtol=1e-5, atol=1e-4)
 
 
 def test_a_fixed_haystack_mix_replaces_the_curriculum():
