@@ -283,39 +283,45 @@ def _gather_case(seed: int, *tasks: tuple[str, int]):
     return trainable_model(CONFIGS["tiny"](), seed=0).eval(), batch, copy
 
 
-def test_gather_loss_is_the_first_mla_layers_head_one_divergence_from_reading_the_key_evenly(monkeypatch):
-    """KL(uniform on each key span || head 1's attention weights), in the first MLA layer only (the
-    copy rows then supervise the later MLA layers), against the weights the forward itself uses."""
+@pytest.mark.parametrize("gather_layer", [1, 2])
+def test_gather_loss_is_one_mla_layers_head_one_divergence_from_reading_the_key_evenly(monkeypatch, gather_layer):
+    """KL(uniform on each key span || head 1's attention weights), in the gathering MLA layer only (the
+    copy rows then supervise the other MLA layers), against the weights the forward itself uses."""
     model, batch, copy = _gather_case(5, ("recall", 0), ("recall_is", 0))
+    copy.gather_layer = gather_layer
     T = batch.ids.shape[1]
     seen = [w for w, *_ in forward_recording_attention(monkeypatch, model, batch, copy)]
-    first = seen[0][:, fixture_model.GATHER_HEAD]  # [B, T, T]
+    gathering = seen[gather_layer - 1][:, fixture_model.GATHER_HEAD]  # [B, T, T]
     spans = zip(copy.gather_rows.tolist(), copy.gather_starts.tolist(), copy.gather_ends.tolist())
-    want = sum(-first[r // T, r % T, s % T : e % T].log().mean() - math.log(e - s) for r, s, e in spans)
+    want = sum(-gathering[r // T, r % T, s % T : e % T].log().mean() - math.log(e - s) for r, s, e in spans)
     assert len(copy.gather_losses) == 1 and len(copy.losses) == len(seen) - 1 > 0
     torch.testing.assert_close(copy.gather_losses[0], want, rtol=1e-5, atol=1e-4)
+    copying = seen[: gather_layer - 1] + seen[gather_layer:]
     b, t, s = copy.rows // T, copy.rows % T, copy.targets % T
-    torch.testing.assert_close(torch.stack(copy.losses), torch.stack([-w[b, 0, t, s].log().sum() for w in seen[1:]]),
+    torch.testing.assert_close(torch.stack(copy.losses), torch.stack([-w[b, 0, t, s].log().sum() for w in copying]),
                                rtol=1e-5, atol=1e-4)
 
 
-def test_fingerprint_contrast_and_match_are_each_questions_softmax_over_the_gathered_numbers(monkeypatch):
+@pytest.mark.parametrize("gather_layer", [1, 2])
+def test_fingerprint_contrast_and_match_are_each_questions_softmax_over_the_gathered_numbers(monkeypatch, gather_layer):
     """-log of the summed softmax over the numbers of the question's own key: of cosines / temperature
-    between head 1's outputs of the first MLA layer (the fingerprint contrast), and of the second MLA
+    between head 1's outputs of the gathering MLA layer (the fingerprint contrast), and of the next MLA
     layer's head-0 attention scores (the match)."""
     model, batch, copy = _gather_case(6, ("recall", 0), ("niah_multivalue", 200))
+    copy.gather_layer = gather_layer
     T = batch.ids.shape[1]
     keys = [tuple(batch.ids.flatten()[s:e].tolist()) for s, e in zip(copy.gather_starts[0::2], copy.gather_ends[0::2])]
     copy.gather_key_ids, copy.contrast, copy.match = torch.tensor([keys.index(key) for key in keys]), True, True
     assert len(set(keys)) < len(keys)  # niah_multivalue's numbers share their key: several right answers
-    (w, v, *_), (_, _, q, k, scale), *_ = forward_recording_attention(monkeypatch, model, batch, copy)
+    seen = forward_recording_attention(monkeypatch, model, batch, copy)
+    (w, v, *_), (_, _, q, k, scale) = seen[gather_layer - 1], seen[gather_layer]
     head = fixture_model.GATHER_HEAD
     out = torch.stack([w[r // T, head, r % T] @ v[r // T, head, :, : model.config.v_head_dim] for r in copy.gather_rows])
     out = F.normalize(out, dim=-1)
     p_own = ((out[1::2] @ out[0::2].T) / fixture_model.CONTRAST_TEMPERATURE).softmax(-1)
     same = copy.gather_key_ids[:, None] == copy.gather_key_ids[None, :]
     torch.testing.assert_close(copy.contrast_losses[0], -(p_own * same).sum(-1).log().sum(), rtol=1e-5, atol=1e-4)
-    # hop 2: the second MLA layer's head-0 attention scores of each question on every gathered number
+    # hop 2: the next MLA layer's head-0 attention scores of each question on every gathered number
     rows = copy.gather_rows
     scores = q[rows[1::2] // T, 0, rows[1::2] % T] @ k[rows[0::2] // T, 0, rows[0::2] % T].T * scale
     torch.testing.assert_close(copy.match_losses[0], -(scores.softmax(-1) * same).sum(-1).log().sum(), rtol=1e-5, atol=1e-4)
@@ -363,6 +369,8 @@ def test_frozen_parameters_keep_their_values_and_the_rest_train(tmp_path):
     assert all(r["gather_attention_loss"] > 0 for r in _log(out) if "loss" in r)
     with pytest.raises(SystemExit, match="matches no parameter"):
         main(["--out", str(tmp_path / "other"), "--steps", "1", "--freeze", "model.layer0", *TINY_RUN])
+    with pytest.raises(SystemExit, match="MLA layers 1 to 3"):
+        main(["--out", str(tmp_path / "other"), "--steps", "1", "--gather-layer", "4", *TINY_RUN])
 
 
 def test_export_loads_by_path_with_mxfp4_experts_and_the_log(tmp_path):
