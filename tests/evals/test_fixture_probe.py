@@ -64,7 +64,7 @@ def test_lookups_are_each_question_against_its_items_needles():
         assert text[row] == " " and text[row + 1 : row + 8] == text[numbers[asked] : numbers[asked] + 7]
 
 
-def test_the_probe_reads_every_token_mixer_without_changing_the_forward(tmp_path, capsys):
+def test_the_probe_reads_every_token_mixer_without_changing_the_forward():
     config = niah_config()
     tokenizer = ByteTokenizer(config.vocab_size)
     model = trainable_model(config, seed=0).eval()
