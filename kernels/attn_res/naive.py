@@ -9,14 +9,21 @@ from __future__ import annotations
 import torch
 
 
-def naive_attn_res(
+def naive_attn_res_logits(
     sources: torch.Tensor, proj_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
+    """sources [T, R, D] -> the depth softmax's logits [T, R] (fp32)."""
     v32 = sources.float()
     k = v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps)
     w_eff = norm_weight.float() * proj_weight.reshape(-1).float()  # [D]
-    p = (k * w_eff).sum(-1).softmax(-1)  # [T, R]
-    return (p[:, None, :] @ v32).squeeze(1).to(sources.dtype)
+    return (k * w_eff).sum(-1)
+
+
+def naive_attn_res(
+    sources: torch.Tensor, proj_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    p = naive_attn_res_logits(sources, proj_weight, norm_weight, eps).softmax(-1)  # [T, R]
+    return (p[:, None, :] @ sources.float()).squeeze(1).to(sources.dtype)
 
 
 def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ from k3ray.evals.tasks import TASKS, Cell
 from k3ray.evals.oracle import OracleTarget
 from k3ray.kernels.kda import l2norm
 from k3ray.kernels.kda.naive import naive_chunk_kda
+from k3ray.models.kda import KimiDeltaAttention
 from k3ray.tokenizer import ByteTokenizer
 
 TINY_RUN = ["--config", "tiny", "--tokens-per-step", "1024", "--max-haystack", "96", "--lr", "1e-2",
@@ -159,12 +160,13 @@ def _whole_batch_copy_supervision(items, width, digits, gather=False):
     return copy
 
 
-@pytest.mark.parametrize("lm_weight, copy_weight, gather_weight", [(0.0, 0.0, 0.0), (0.2, 0.0, 0.0), (0.2, 0.1, 0.0),
-                                                                   (0.0, 0.1, 0.3)])
-def test_micro_batched_step_has_the_whole_batch_gradient(lm_weight, copy_weight, gather_weight):
+@pytest.mark.parametrize("lm_weight, copy_weight, gather_weight, route_weight",
+                         [(0.0, 0.0, 0.0, 0.0), (0.2, 0.0, 0.0, 0.0), (0.2, 0.1, 0.0, 0.0), (0.0, 0.1, 0.3, 0.0),
+                          (0.0, 0.1, 0.3, 0.5)])
+def test_micro_batched_step_has_the_whole_batch_gradient(lm_weight, copy_weight, gather_weight, route_weight):
     """The length groups' accumulated gradient == the gradient of the one padded batch it replaces:
     mean answer-row loss + lm_weight * mean prompt next-token loss + copy_weight * mean copy-attention loss
-    + gather_weight * mean key-gather attention loss."""
+    + gather_weight * mean key-gather attention loss + route_weight * mean AttnRes route loss."""
     tok, rng = ByteTokenizer(), random.Random(1)
     items = [data.make_example(task, 60, rng, tok) for task in ("copy", "recall", "niah", "copy", "needles_wide")]
     model = trainable_model(CONFIGS["tiny"](), seed=0)
@@ -173,21 +175,27 @@ def test_micro_batched_step_has_the_whole_batch_gradient(lm_weight, copy_weight,
     batch = batch_tensors(items, tok.pad_token_id)
     lm_rows, lm_labels = prompt_targets(items, batch.ids.shape[1])
     copy = _whole_batch_copy_supervision(items, batch.ids.shape[1], set(digits.tolist()), gather=gather_weight > 0)
+    copy.route = route_weight > 0
     logits = train_logits(model, batch.ids, torch.cat([batch.rows, lm_rows]), copy=copy)
     R = len(batch.rows)
     whole = F.cross_entropy(logits[:R], batch.labels) + lm_weight * F.cross_entropy(logits[R:], lm_labels)
     whole = whole + copy_weight * torch.stack(copy.losses).mean() / len(copy.rows)
     if gather_weight:
         whole = whole + gather_weight * copy.gather_losses[0] / len(copy.gather_rows)
+    if route_weight:
+        whole = whole + route_weight * sum(copy.route_losses) / len(copy.gather_rows)
     want = torch.autograd.grad(whole, list(model.parameters()), allow_unused=True)
 
     model.zero_grad(set_to_none=True)
     step = accumulate_step(model, items, tok.pad_token_id, lm_weight, digits, copy_weight=copy_weight,
-                           gather_weight=gather_weight)
+                           gather_weight=gather_weight, route_weight=route_weight)
     if copy_weight:
         assert step.copy_loss == pytest.approx(torch.stack(copy.losses).mean().item() / len(copy.rows), rel=1e-4)
     if gather_weight:
         assert step.gather_loss == pytest.approx(copy.gather_losses[0].item() / len(copy.gather_rows), rel=1e-4)
+    if route_weight:
+        assert len(copy.route_losses) == 2  # the matching layer's input and the output
+        assert step.route_loss == pytest.approx(sum(copy.route_losses).item() / len(copy.gather_rows), rel=1e-4)
     assert len(step.shapes) >= 3
     assert step.loss == pytest.approx(F.cross_entropy(logits[:R], batch.labels).item(), rel=1e-5)
     assert sorted(step.tasks) == sorted(batch.tasks) and step.lead.sum() == lead_digit_rows(batch, digits).sum()
@@ -325,6 +333,74 @@ def test_fingerprint_contrast_and_match_are_each_questions_softmax_over_the_gath
     rows = copy.gather_rows
     scores = q[rows[1::2] // T, 0, rows[1::2] % T] @ k[rows[0::2] // T, 0, rows[0::2] % T].T * scale
     torch.testing.assert_close(copy.match_losses[0], -(scores.softmax(-1) * same).sum(-1).log().sum(), rtol=1e-5, atol=1e-4)
+
+
+def _band_losses(w: torch.Tensor) -> torch.Tensor:
+    low, high = fixture_model.ROUTE_BAND
+    assert (w < low).any() and ((w > low) & (w < high)).any() and (w > high).any()  # each side of the band
+    return (math.log(low) - w.log()).clamp(min=0) + (math.log(1 - high) - (1 - w).log()).clamp(min=0)
+
+
+@pytest.mark.parametrize("gather_layer", [1, 2])
+def test_route_losses_keep_attn_res_weights_on_the_gathered_key_and_the_match_in_their_band(monkeypatch,
+                                                                                            gather_layer):
+    """max(0, log 0.5 - log w) + max(0, log 0.1 - log(1 - w)), summed: w the weight that the next MLA layer's
+    mixer AttnRes gives, at each gather row, to the source holding the gathering layer's output (bank[block + 1]:
+    bank[0] is the embedding; or the open block's partial sum), and the weight the output AttnRes gives, at
+    each question, to the source holding the matching layer's output; each recovered from the aggregate the
+    forward itself computes."""
+    model, batch, copy = _gather_case(5, ("recall", 0), ("recall_is", 0))
+    copy.gather_layer, copy.route = gather_layer, True
+    mla = [layer for layer in model.model.layers.values() if not isinstance(layer.self_attn, KimiDeltaAttention)]
+    gathering, matching = mla[gather_layer - 1], mla[gather_layer]
+    output_proj = model.model.output_attn_res_proj.weight
+    with torch.no_grad():  # trainable_model starts AttnRes uniform (any source reads the same); logits of std ~3
+        for i, proj in enumerate((matching.self_attention_res_proj.weight, output_proj)):
+            proj.normal_(std=0.4, generator=torch.Generator().manual_seed(2 + i))
+    calls = []
+
+    def recording(sources, proj_weight, *args):
+        out = real(sources, proj_weight, *args)
+        calls.append((proj_weight, sources, out[0]))
+        return out
+
+    def weights_at(proj, rows=slice(None)):
+        """the AttnRes weights [R, S] that make the recorded aggregate from the recorded sources ([S, D] has rank S)"""
+        (sources, aggregate), = [(s[rows], h[rows]) for w, s, h in calls if w is proj]
+        weights = torch.linalg.lstsq(sources.transpose(1, 2), aggregate.unsqueeze(-1)).solution.squeeze(-1)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(len(weights)), rtol=0, atol=1e-4)
+        return weights
+
+    real = fixture_model.naive_attn_res_rmsnorm
+    monkeypatch.setattr(fixture_model, "naive_attn_res_rmsnorm", recording)
+    questions = copy.gather_rows[1::2]
+    with torch.no_grad():
+        train_logits(model, batch.ids, questions, copy=copy)  # the output AttnRes at the questions' rows
+    block = model.config.attn_res_block_size
+    assert copy.gathered_source == gathering.layer_idx // block + 1
+    assert copy.matched_source == matching.layer_idx // block + 1
+    assert len(copy.route_losses) == 2
+    w_in = weights_at(matching.self_attention_res_proj.weight, copy.gather_rows)[:, copy.gathered_source]
+    torch.testing.assert_close(copy.route_losses[0], _band_losses(w_in).sum(), rtol=1e-4, atol=1e-3)
+    w_out = weights_at(output_proj)[:, copy.matched_source]
+    torch.testing.assert_close(copy.route_losses[1], _band_losses(w_out).sum(), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("gather_layer", [1, 2])
+def test_gather_gain_scales_only_the_gathering_heads_output_projection(gather_layer):
+    model = trainable_model(CONFIGS["tiny"](), seed=0)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fixture_model.amplify_gather_head(model, gather_layer, 4.0)
+    mla = [i for i, kind in enumerate(model.config.layer_types) if kind == "mla"]
+    name = f"model.layers.{mla[gather_layer - 1]}.self_attn.o_proj.weight"
+    dv = model.config.v_head_dim
+    head = slice(fixture_model.GATHER_HEAD * dv, (fixture_model.GATHER_HEAD + 1) * dv)
+    after = dict(model.named_parameters())
+    torch.testing.assert_close(after[name][:, head], 4.0 * before[name][:, head], rtol=0, atol=0)
+    rest = torch.ones(after[name].shape[1], dtype=torch.bool)
+    rest[head] = False
+    assert torch.equal(after[name][:, rest], before[name][:, rest])
+    assert all(torch.equal(after[n], before[n]) for n in before if n != name)
 
 
 def test_a_fixed_haystack_mix_replaces_the_curriculum():
