@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
+from k3ray.evals.fixture import model as fixture_model
 from k3ray.evals.fixture.data import CHAIN_TASK, make_example
 from k3ray.evals.fixture.model import niah_config, train_logits, trainable_model
-from k3ray.evals.fixture.probe import Lookups, item_lookups, main, probe, readability
+from k3ray.evals.fixture.probe import Lookups, item_lookups, main, probe, readability, source_names
 from k3ray.tokenizer import ByteTokenizer
 
 
@@ -75,13 +76,42 @@ def test_the_probe_reads_every_token_mixer_without_changing_the_forward():
     with torch.no_grad():
         torch.testing.assert_close(train_logits(model, ids, torch.arange(ids.shape[1]), trace=trace),
                                    train_logits(model, ids, torch.arange(ids.shape[1])), rtol=0, atol=0)
+    weights = trace.pop("output.weights")  # [1, T, S]
     assert all(t.shape == (1, ids.shape[1], config.hidden_size) for t in trace.values())
-    report = probe(model, examples, set(tokenizer.encode("0123456789")), rank=4, steps=5)
+    assert weights.shape == (1, ids.shape[1], len(source_names(model))) == (1, ids.shape[1], 4)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1, ids.shape[1]))
+    report, answer_sources = probe(model, examples, set(tokenizer.encode("0123456789")), rank=4, steps=5)
+    assert answer_sources == pytest.approx([0.25] * 4)  # trainable_model starts AttnRes uniform
     kinds = ["kda" if i in config.kda_layer_ids else "mla" for i in range(len(config.layer_types))]
     assert list(report) == [f"{i}.{kind}.{end}" for i, kind in enumerate(kinds) for end in ("in", "out")]
     assert all(0.0 <= r["cosine"] <= 1.0 and r["chance"] <= 0.5 for r in report.values())
     with pytest.raises(ValueError, match="at least two items"):
         probe(model, examples[:1], set(tokenizer.encode("0123456789")))
+
+
+def test_the_traced_output_weights_are_those_the_logits_are_made_with(monkeypatch):
+    """The output AttnRes aggregate, recorded from the forward, is the traced weights times its sources."""
+    config = niah_config()
+    model = trainable_model(config, seed=0).eval()
+    with torch.no_grad():
+        model.model.output_attn_res_proj.weight.normal_(std=0.3, generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = fixture_model.naive_attn_res_rmsnorm
+
+    def recording(sources, proj_weight, *args):
+        out = real(sources, proj_weight, *args)
+        calls.append((proj_weight, sources, out[0]))
+        return out
+
+    monkeypatch.setattr(fixture_model, "naive_attn_res_rmsnorm", recording)
+    ids = torch.tensor([ByteTokenizer(config.vocab_size).encode("One of the special magic numbers for x is: 12.")])
+    trace: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        train_logits(model, ids, torch.arange(ids.shape[1]), trace=trace)
+    (sources, aggregate), = [(s, h) for w, s, h in calls if w is model.model.output_attn_res_proj.weight]
+    weights = trace["output.weights"][0]  # [T, S]
+    assert weights.max() > 0.5  # not the uniform start
+    torch.testing.assert_close((weights[:, None, :] @ sources).squeeze(1), aggregate, rtol=1e-5, atol=1e-4)
 
 
 def test_the_command_reports_each_site_of_a_shipped_model(tmp_path, capsys):
@@ -90,6 +120,9 @@ def test_the_command_reports_each_site_of_a_shipped_model(tmp_path, capsys):
           "--threads", "1", "--json", str(out)])
     report = json.loads(out.read_text())
     assert report["args"]["model"] == "k3-tiny-niah" and "3.mla.in" in report["sites"]
-    assert "3.mla.in" in capsys.readouterr().out
+    assert list(report["answer_sources"]) == ["embedding", "layers 0-2", "layers 3-5", "layers 6-8"]
+    assert sum(report["answer_sources"].values()) == pytest.approx(1.0)
+    printed = capsys.readouterr().out
+    assert "3.mla.in" in printed and "output AttnRes weight at the answer rows: embedding" in printed
     with pytest.raises(SystemExit):
         main(["--items", "1"])
