@@ -16,7 +16,7 @@ from k3ray.evals.fixture import data
 from k3ray.evals.fixture import model as fixture_model
 from k3ray.evals.fixture.init_weights import initial_weights
 from k3ray.evals.fixture.kda_train import chunk_kda_train
-from k3ray.evals.fixture.model import CopySupervision, train_logits, trainable_model
+from k3ray.evals.fixture.model import CopySupervision, niah_config, train_logits, trainable_model
 from k3ray.evals.fixture.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, batch_tensors, copy_targets,
                                       gather_targets, lead_digit_rows, length_groups, main, parse_args, prompt_targets, step_examples)
 from k3ray.evals.tasks import TASKS, Cell
@@ -335,6 +335,22 @@ def test_fingerprint_contrast_and_match_are_each_questions_softmax_over_the_gath
     torch.testing.assert_close(copy.match_losses[0], -(scores.softmax(-1) * same).sum(-1).log().sum(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("gather_layer", [1, 2])
+def test_self_read_loss_is_the_gathering_layers_self_head_weight_on_each_numbers_own_row(monkeypatch, gather_layer):
+    """-log of SELF_HEAD's attention weight, at each number's first digit (the even gather rows), on that row
+    itself, summed, in the gathering MLA layer, against the weights the forward itself uses."""
+    _, batch, copy = _gather_case(5, ("recall", 0), ("recall_is", 0))
+    model = trainable_model(niah_config(), seed=0).eval()  # the tiny config's MLA has no head 2
+    copy.gather_layer, copy.self_read = gather_layer, True
+    T = batch.ids.shape[1]
+    weights = forward_recording_attention(monkeypatch, model, batch, copy)[gather_layer - 1][0]  # [B, H, T, T]
+    numbers = copy.gather_rows[0::2]
+    b, t = numbers // T, numbers % T
+    assert len(copy.self_losses) == 1 and len(numbers) > 1
+    torch.testing.assert_close(copy.self_losses[0], -weights[b, fixture_model.SELF_HEAD, t, t].log().sum(),
+                               rtol=1e-5, atol=1e-4)
+
+
 def _band_losses(w: torch.Tensor) -> torch.Tensor:
     low, high = fixture_model.ROUTE_BAND
     assert (w < low).any() and ((w > low) & (w < high)).any() and (w > high).any()  # each side of the band
@@ -447,6 +463,8 @@ def test_frozen_parameters_keep_their_values_and_the_rest_train(tmp_path):
         main(["--out", str(tmp_path / "other"), "--steps", "1", "--freeze", "model.layer0", *TINY_RUN])
     with pytest.raises(SystemExit, match="MLA layers 1 to 3"):
         main(["--out", str(tmp_path / "other"), "--steps", "1", "--gather-layer", "4", *TINY_RUN])
+    with pytest.raises(SystemExit, match="--self-read asks MLA head 2; the tiny config has 2"):
+        main(["--out", str(tmp_path / "other"), "--steps", "1", "--self-read", "0.5", *TINY_RUN])
 
 
 def test_export_loads_by_path_with_mxfp4_experts_and_the_log(tmp_path):
