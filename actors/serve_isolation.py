@@ -6,6 +6,7 @@ a second server answered for the first). Folders left by a server that died are 
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import socket
@@ -17,13 +18,24 @@ RUNTIME_PREFIX = "k3serve-"  # short: see RUNTIME_ROOT
 RUNTIME_ROOT = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
 _RUNTIME_NAME = re.compile(rf"^{RUNTIME_PREFIX}(\d+)-")
 REPLICA_PORT_WINDOW = 1000  # ports per server for its replicas' HTTP (and gRPC) servers
+# above Ray's worker ports (10002-19999), below Linux's ephemeral ones (32768-60999)
+PORT_RANGE = (20000, 32768 - REPLICA_PORT_WINDOW)
+PORT_TRIES = 200
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now, on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(ports: tuple[int, int] = PORT_RANGE) -> int:
+    """A TCP port nothing listens on now, on loopback, drawn from ports [low, high). Not bind(0): the
+    kernel hands out ephemeral ports to outgoing connections too, so one can be taken before its
+    server binds it (seen: HAProxy's stats port, 'Address already in use' on all three starts)."""
+    for _ in range(PORT_TRIES):
+        port = random.randrange(*ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on 127.0.0.1 in [{ports[0]}, {ports[1]}) after {PORT_TRIES} tries")
 
 
 def isolation_environment(runtime_dir: str) -> dict[str, str]:

@@ -4,7 +4,6 @@ router and two expert shards as Ray actors in the replica's own placement group)
 requests scales to 2 replicas and the quiet after it back to 1, with no actor or placement group
 left behind."""
 
-import socket
 import threading
 import time
 from collections import Counter
@@ -14,16 +13,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from k3ray.actors.ray_connect import connect  # noqa: E402  ray.init off the repository root
+from k3ray.actors.serve_isolation import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 MODEL_ACTORS = {"PipelineStage": 1, "MoERouter": 1, "ExpertShard": 2}  # per replica (expert_parallel=2)
 REPLICA = "ServeReplica:k3ray:K3Server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import httpx
 import psutil
@@ -262,6 +263,24 @@ def test_ctrl_c_while_deploying_still_stops_everything(tiny_checkpoint, tmp_path
 def replica_of(root: psutil.Process) -> psutil.Process:
     (replica,) = [p for p in root.children(recursive=True) if "ServeReplica:k3ray:K3Server" in " ".join(p.cmdline())]
     return replica
+
+
+def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_taken_ones(monkeypatch):
+    from k3ray.actors import serve_isolation
+
+    low, high = (int(p) for p in pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    first, last = serve_isolation.PORT_RANGE
+    assert last <= low or first > high  # what bind(0) and outgoing connections draw from
+    assert all(first <= serve_isolation.free_port() < last for _ in range(20))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match="no free port"):
+            serve_isolation.free_port((port, port + 1))
+        free = serve_isolation.free_port()
+        draws = iter([port, free])
+        monkeypatch.setattr(serve_isolation, "random", types.SimpleNamespace(randrange=lambda *_: next(draws)))
+        assert serve_isolation.free_port() == free  # the taken port drawn first is passed over
 
 
 @pytest.mark.slow
