@@ -47,8 +47,9 @@ def isolation_environment(runtime_dir: str) -> dict[str, str]:
            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": runtime_dir,
            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(runtime_dir, "server-state"),
            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(runtime_dir, "metrics.sock")}
-    for protocol in ("HTTP", "GRPC"):  # a port free now starts the window; Serve retries a taken one
-        low = min(free_port(), 65535 - REPLICA_PORT_WINDOW)
+    # a port free now starts the window (PORT_RANGE ends a window below the ephemeral ports); Serve retries a taken one
+    for protocol in ("HTTP", "GRPC"):
+        low = free_port()
         env[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"] = str(low)
         env[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"] = str(low + REPLICA_PORT_WINDOW)
     return env
