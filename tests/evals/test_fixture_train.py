@@ -403,6 +403,47 @@ def test_route_losses_keep_attn_res_weights_on_the_gathered_key_and_the_match_in
 
 
 @pytest.mark.parametrize("gather_layer", [1, 2])
+def test_answer_readout_is_the_matching_heads_share_of_each_questions_lead_digit_logits(monkeypatch, gather_layer):
+    """Head 0's term is what the matching layer's output loses when that head's o_proj columns are zeroed; the
+    shares of every source's whole term add up to the forward's logits; the loss is their cross-entropy against
+    the digit each answer row predicts."""
+    model, batch, copy = _gather_case(5, ("recall", 0), ("recall_is", 0))
+    copy.gather_layer, copy.readout = gather_layer, True
+    with torch.no_grad():  # AttnRes starts uniform; any weights make the shares differ
+        model.model.output_attn_res_proj.weight.normal_(std=0.4, generator=torch.Generator().manual_seed(3))
+    matching = [i for i, kind in enumerate(model.config.layer_types) if kind == "mla"][gather_layer]
+    answers = copy.gather_rows[1::2]
+    calls = []
+
+    def recording(sources, *args):
+        out = real(sources, *args)
+        calls.append(sources)
+        return out
+
+    real = fixture_model.naive_attn_res_rmsnorm
+    monkeypatch.setattr(fixture_model, "naive_attn_res_rmsnorm", recording)
+    trace, without = {}, {}
+    with torch.no_grad():
+        logits = train_logits(model, batch.ids, answers, copy=copy, trace=trace)
+        attn = model.model.layers[str(matching)].self_attn
+        attn.o_proj.weight[:, : attn.v_dim] = 0.0  # head 0's columns
+        train_logits(model, batch.ids, answers, trace=without)
+    key = f"{matching}.mla.out"
+    flat = lambda t: t.reshape(-1, t.shape[-1])[answers]  # noqa: E731
+    term = copy.readout_parts[0]
+    torch.testing.assert_close(term, flat(trace[key]) - flat(without[key]), rtol=1e-4, atol=1e-5)
+    sources = calls[: len(calls) // 2][-1]  # the first of the two forwards: its last AttnRes is the output's
+    assert sources.shape[0] == len(answers) and len(answers) > 1
+    shares = sum(fixture_model.readout_logits(model, sources, sources[:, s], s) for s in range(sources.shape[1]))
+    torch.testing.assert_close(shares, logits, rtol=1e-4, atol=1e-4)
+    labels = batch.ids.flatten()[answers + 1]  # each answer row predicts the asked number's first digit
+    assert torch.equal(labels, batch.ids.flatten()[copy.gather_rows[0::2]])
+    want = F.cross_entropy(fixture_model.readout_logits(model, sources, term, copy.matched_source), labels,
+                           reduction="sum")
+    torch.testing.assert_close(copy.readout_losses[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gather_layer", [1, 2])
 def test_gather_gain_scales_only_the_gathering_heads_output_projection(gather_layer):
     model = trainable_model(CONFIGS["tiny"](), seed=0)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -465,6 +506,15 @@ def test_frozen_parameters_keep_their_values_and_the_rest_train(tmp_path):
         main(["--out", str(tmp_path / "other"), "--steps", "1", "--gather-layer", "4", *TINY_RUN])
     with pytest.raises(SystemExit, match="--self-read asks MLA head 2; the tiny config has 2"):
         main(["--out", str(tmp_path / "other"), "--steps", "1", "--self-read", "0.5", *TINY_RUN])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA (tests/gpu trains on it)")
+def test_a_run_asked_for_cuda_on_a_machine_without_it_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="--device: device 'cuda' asks for CUDA"):
+        main(["--out", str(tmp_path / "run"), "--steps", "1", "--device", "cuda", *TINY_RUN])
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+    with pytest.raises(SystemExit, match="--device: device must be one of"):
+        main(["--out", str(tmp_path / "run"), "--steps", "1", "--device", "tpu", *TINY_RUN])
 
 
 def test_export_loads_by_path_with_mxfp4_experts_and_the_log(tmp_path):
