@@ -89,7 +89,14 @@ def main(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         print("k3ray serve: shutting down", file=sys.stderr, flush=True)
     finally:
+        import psutil
+
+        started = psutil.Process().children(recursive=True) if owns_ray else []  # Ray's, all of them
         serve_launch.stop(owns_ray)
+        stopped = serve_launch.reap_leftovers(started)
+        if stopped:
+            print(f"k3ray serve: stopped {len(stopped)} Ray process(es) that outlived Ray's shutdown",
+                  file=sys.stderr, flush=True)
     return 0
 
 

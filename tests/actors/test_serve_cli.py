@@ -163,6 +163,24 @@ def ctrl_c_stops_everything(proc, log_path, tree: list[psutil.Process]) -> None:
     assert not alive, [_described(p) for p in alive]
 
 
+def test_leftover_processes_are_waited_for_then_terminated_then_killed():
+    """What `k3ray serve` does with Ray's processes after Ray's shutdown: one that exits within the grace is
+    left to exit; one still up gets SIGTERM; one that ignores SIGTERM gets SIGKILL."""
+    from k3ray.actors.serve_launch import reap_leftovers
+
+    code = "import signal, sys, time; {}print('ready', flush=True); time.sleep({})"
+    quick, polite, stubborn = (
+        subprocess.Popen([sys.executable, "-c", code.format(ignore, sleep)], stdout=subprocess.PIPE)
+        for ignore, sleep in (("", 0.5), ("", 60), ("signal.signal(signal.SIGTERM, signal.SIG_IGN); ", 60)))
+    for child in (quick, polite, stubborn):
+        assert child.stdout.readline() == b"ready\n"  # started, and its SIGTERM handler is set
+    processes = [psutil.Process(child.pid) for child in (quick, polite, stubborn)]
+    stopped = reap_leftovers(processes, grace_s=3.0)
+    assert [p.pid for p in stopped] == [polite.pid, stubborn.pid]
+    assert [p.returncode for p in processes] == [0, -signal.SIGTERM, -signal.SIGKILL]
+    assert not any(p.is_running() for p in processes)
+
+
 def _described(p: psutil.Process) -> str:
     try:
         return f"{p.pid} {' '.join(p.cmdline())[:160]}"
