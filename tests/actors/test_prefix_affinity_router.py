@@ -6,7 +6,8 @@ import random
 import pytest
 
 from k3ray.actors.ingress_router import block_chain, prompt_ids
-from k3ray.actors.prefix_affinity_router import match_depth, pick_replica, snapshot_boundaries
+from k3ray.actors.prefix_affinity_router import (MATCH_PROBES, PROBE_ALL, PROBE_OTHERS, HeldPrefixes, match_depth,
+                                                 pick_replica, probe_targets, snapshot_boundaries)
 from k3ray.engine.llm import LLM
 from k3ray.sampling_params import SamplingParams
 
@@ -96,3 +97,30 @@ def test_unmatched_prompts_spread_by_load_then_by_prefixes_held():
 def test_no_replica_is_an_error():
     with pytest.raises(AssertionError):
         pick_replica(CHAIN, {}, {}, {}, max_imbalance=4)
+
+
+def test_few_replicas_are_all_probed_and_many_only_the_deepest_matches_and_two_others():
+    replicas = [f"r{i}" for i in range(PROBE_ALL)]
+    assert probe_targets(CHAIN, {}, replicas) == replicas
+    replicas = [f"r{i}" for i in range(12)]
+    held = {"r3": {b"c"}, "r5": {b"c"}, "r7": {b"c"}, "r9": {b"a"}}
+    rng = random.Random(0)
+    seen_deep, seen_other = set(), set()
+    for _ in range(200):
+        targets = probe_targets(CHAIN, held, replicas, rng)
+        assert len(targets) == len(set(targets)) == MATCH_PROBES + PROBE_OTHERS
+        deep = targets[:MATCH_PROBES]
+        assert set(deep) <= {"r3", "r5", "r7"}  # a shallower match (r9) is not one of them
+        seen_deep |= set(deep)
+        seen_other |= set(targets[MATCH_PROBES:])
+    assert seen_deep == {"r3", "r5", "r7"} and seen_other == set(replicas)  # chance spreads both
+    unmatched = probe_targets([b"z"], held, replicas, rng)
+    assert len(unmatched) == PROBE_OTHERS  # nothing matches: two by chance, as power-of-two routing
+
+
+def test_held_prefixes_read_the_report_and_the_sent_hashes_in_place():
+    reported, sent = frozenset({b"a", b"b"}), {b"b": 1.0, b"c": 2.0}
+    held = HeldPrefixes(reported, sent)
+    assert {b"a", b"b", b"c"} == set(held) and b"c" in held and b"d" not in held
+    sent[b"d"] = 3.0  # later sends show without rebuilding
+    assert b"d" in held and match_depth([b"x", b"d"], held) == 2
