@@ -17,8 +17,9 @@ from k3ray.evals.fixture import model as fixture_model
 from k3ray.evals.fixture.init_weights import initial_weights
 from k3ray.evals.fixture.kda_train import chunk_kda_train
 from k3ray.evals.fixture.model import CopySupervision, niah_config, train_logits, trainable_model
-from k3ray.evals.fixture.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, batch_tensors, copy_targets,
-                                      gather_targets, lead_digit_rows, length_groups, main, parse_args, prompt_targets, step_examples)
+from k3ray.evals.fixture.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, apply_gains, batch_tensors,
+                                      copy_targets, gather_targets, lead_digit_rows, length_groups, main, parse_args,
+                                      prompt_targets, step_examples, train)
 from k3ray.evals.tasks import TASKS, Cell
 from k3ray.evals.oracle import OracleTarget
 from k3ray.kernels.kda import l2norm
@@ -458,6 +459,26 @@ def test_gather_gain_scales_only_the_gathering_heads_output_projection(gather_la
     rest[head] = False
     assert torch.equal(after[name][:, rest], before[name][:, rest])
     assert all(torch.equal(after[n], before[n]) for n in before if n != name)
+
+
+def test_match_gain_scales_head_0_of_the_layer_after_the_gathering_one():
+    model = trainable_model(CONFIGS["tiny"](), seed=0)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    apply_gains(model, parse_args(["--out", "unused", "--gather-layer", "1", "--match-gain", "3"]))
+    mla = [i for i, kind in enumerate(model.config.layer_types) if kind == "mla"]
+    name = f"model.layers.{mla[1]}.self_attn.o_proj.weight"
+    dv = model.config.v_head_dim
+    after = dict(model.named_parameters())
+    torch.testing.assert_close(after[name][:, :dv], 3.0 * before[name][:, :dv], rtol=0, atol=0)
+    assert torch.equal(after[name][:, dv:], before[name][:, dv:])
+    assert all(torch.equal(after[n], before[n]) for n in before if n != name)
+
+
+def test_match_gain_after_the_last_mla_layer_is_refused(tmp_path):
+    mla_layers = sum(kind == "mla" for kind in CONFIGS["tiny"]().layer_types)
+    with pytest.raises(SystemExit, match="--match-gain"):
+        train(parse_args(["--out", str(tmp_path), "--config", "tiny", "--gather-layer", str(mla_layers),
+                          "--match-gain", "2", "--steps", "1"]))
 
 
 def test_a_fixed_haystack_mix_replaces_the_curriculum():
