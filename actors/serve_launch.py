@@ -80,20 +80,55 @@ def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init
     if ray.is_initialized():
         return False
     if address is None:
-        os.environ.update(local_environment(ingress))  # Ray's processes inherit it from here
-        # Serve read it when imported, and checks an app's ingress request router against it here
-        serve_constants.RAY_SERVE_ENABLE_HA_PROXY = serve_build_app.RAY_SERVE_ENABLE_HA_PROXY = ingress == "haproxy"
-        # node address 127.0.0.1: every connection stays on loopback, Ray's agents and exporters
-        # bind to it (not 0.0.0.0)
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        # Ray read that variable when it was imported (before this call, in `k3ray serve`): without
-        # this its node address was the machine's and its agents listened on every interface
-        cluster_mode = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
-        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
-        _start_local({"include_dashboard": False, "_node_ip_address": LOOPBACK, **init_kwargs})
+        prepare_local(ingress)
+        try:
+            _start_local({"include_dashboard": False, "_node_ip_address": LOOPBACK, **init_kwargs})
+        except BaseException:
+            remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
+            restore_environment()
+            raise
     else:
         connect(address=address, **init_kwargs)
     return True
+
+
+# what prepare_local replaced, for restore_environment: variable -> old value (None: unset), and
+# (module, attribute) -> old value; a process that stops its Ray leaves no setting behind (tests share one)
+_saved_variables: dict[str, str | None] = {}
+_saved_attributes: dict[tuple[object, str], object] = {}
+
+
+def prepare_local(ingress: str) -> None:
+    """The environment and Serve / Ray settings a local instance for `ingress` starts with."""
+    env = local_environment(ingress)  # Ray's processes inherit it from here
+    # node address 127.0.0.1: every connection stays on loopback, Ray's agents and exporters bind to it (not 0.0.0.0)
+    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"))
+    for name, value in env.items():
+        _saved_variables.setdefault(name, os.environ.get(name))
+        os.environ[name] = value
+    # Serve read it when imported, and checks an app's ingress request router against it here
+    haproxy = ingress == "haproxy"
+    # Ray read that variable when it was imported (before this call, in `k3ray serve`): without
+    # this its node address was the machine's and its agents listened on every interface
+    cluster_mode = env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
+    for module, name, value in ((serve_constants, "RAY_SERVE_ENABLE_HA_PROXY", haproxy),
+                                (serve_build_app, "RAY_SERVE_ENABLE_HA_PROXY", haproxy),
+                                (ray_constants, "ENABLE_RAY_CLUSTER", cluster_mode)):
+        _saved_attributes.setdefault((module, name), getattr(module, name))
+        setattr(module, name, value)
+
+
+def restore_environment() -> None:
+    """Put back what prepare_local changed (stop() does, after the instance is down)."""
+    for name, value in _saved_variables.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    for (module, name), value in _saved_attributes.items():
+        setattr(module, name, value)
+    _saved_variables.clear()
+    _saved_attributes.clear()
 
 
 def local_environment(ingress: str) -> dict[str, str]:
@@ -143,6 +178,7 @@ def stop(owns_ray: bool = True, name: str = APP_NAME) -> None:
     ray.shutdown()
     if owns_ray:
         remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
+        restore_environment()
 
 
 # Ray's agents (DashboardAgent, RuntimeEnvAgent) leave when they notice their raylet gone; on a loaded

@@ -47,7 +47,7 @@ def cluster(tiny_checkpoint):
     finally:
         serve.shutdown()
         leftover = alive_actors(gcs)
-        ray.shutdown()
+        serve_launch.stop()  # Ray down, its runtime folder and the environment start_ray set undone
         if previous is not None:
             connect(address=previous, log_to_driver=False)
     assert not any(leftover[name] for name in [REPLICA, *MODEL_ACTORS]), leftover
