@@ -445,6 +445,46 @@ def test_answer_readout_is_the_matching_heads_share_of_each_questions_lead_digit
 
 
 @pytest.mark.parametrize("gather_layer", [1, 2])
+def test_value_readout_is_the_heads_share_were_it_to_read_only_the_asked_number(monkeypatch, gather_layer):
+    """The value term at a row is what head 0 adds there when it reads one row: weighted by the head's attention
+    and summed over the row's positions, the value terms are its term (so a head that reads the asked number
+    passes on what this loss trains); the loss is the cross-entropy of that term's share on the number's digit."""
+    model, batch, copy = _gather_case(6, ("recall", 0), ("recall_is", 0))
+    copy.gather_layer, copy.readout, copy.value_readout = gather_layer, True, True
+    with torch.no_grad():
+        model.model.output_attn_res_proj.weight.normal_(std=0.4, generator=torch.Generator().manual_seed(3))
+    captured = {}
+    real_value = fixture_model._value_term
+
+    def capturing(attn, flat, v, sources, rows, head):
+        captured.update(attn=attn, flat=flat, v=v)
+        return real_value(attn, flat, v, sources, rows, head)
+
+    monkeypatch.setattr(fixture_model, "_value_term", capturing)
+    real_readout, shares = fixture_model.readout_logits, []
+    monkeypatch.setattr(fixture_model, "readout_logits", lambda m, src, term, s: shares.append(src) or real_readout(m, src, term, s))
+    with torch.no_grad():
+        train_logits(model, batch.ids, copy.gather_rows[1::2], copy=copy)
+    T = batch.ids.shape[1]
+    attn, flat, v = captured["attn"], captured["flat"], captured["v"]
+    row = copy.gather_rows[1].item()  # the first question's answer row
+    positions = torch.arange((row // T) * T, row + 1)  # its sequence up to the row
+    with torch.no_grad():
+        every = real_value(attn, flat, v, positions, torch.full_like(positions, row), head=0)  # [t + 1, D]
+        q = attn.project_q(flat).view(*batch.ids.shape, attn.num_heads, -1).transpose(1, 2)
+        k, _ = attn.expand_kv(attn.project_latent(flat))
+        k = k.view(*batch.ids.shape, attn.num_heads, -1).transpose(1, 2)
+        log_attention, _ = fixture_model._row_attention(q, k, attn.scale, torch.tensor([row]), head=0)
+    weighted = log_attention[0, : len(positions)].exp() @ every
+    torch.testing.assert_close(weighted, copy.readout_parts[0][0], rtol=1e-4, atol=1e-5)
+    digits = batch.ids.flatten()[copy.gather_rows[0::2]]
+    want = F.cross_entropy(real_readout(model, shares[-1], copy.value_parts[0], copy.matched_source), digits,
+                           reduction="sum")
+    assert len(copy.value_losses) == 1 and copy.value_parts[0].shape == copy.readout_parts[0].shape
+    torch.testing.assert_close(copy.value_losses[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gather_layer", [1, 2])
 def test_gather_gain_scales_only_the_gathering_heads_output_projection(gather_layer):
     model = trainable_model(CONFIGS["tiny"](), seed=0)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
