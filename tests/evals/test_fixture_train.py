@@ -283,6 +283,25 @@ def test_gather_targets_span_the_copied_numbers_key_at_the_number_and_at_the_que
     assert gather_targets(data.make_example("copy", 0, rng, tok), [(30, 2)]) == []  # a copied number has no key
 
 
+def test_a_later_lookup_digit_gathers_its_numbers_key_at_both_ends():
+    """--lookup-digits 2: each copied number's second digit is looked up too, with the key before the number
+    (not before the digit) at the number's side and the question's key at the row that writes it."""
+    tok, rng = ByteTokenizer(), random.Random(5)
+    digits = set(tok.encode("0123456789"))
+    for task in ("niah_multikey_1", "recall_is", "multikey_chain"):
+        ex = data.make_example(task, 300, rng, tok)
+        lead = gather_targets(ex, copy_targets(ex, digits, lead_only=True))
+        pairs = copy_targets(ex, digits, first=2)
+        spans = gather_targets(ex, pairs)
+        assert len(spans) == 2 * len(pairs) == 2 * len(lead), task  # lead: 2 spans a number; here 2 digits a number
+        by_row = {row: (source, s, e) for (row, source), (_, s, e) in zip(pairs, spans[::2])}
+        for row, source in pairs[::2]:  # a lead digit, then the next digit of the same number one row on
+            assert by_row[row + 1][0] == source + 1 and by_row[row + 1][1:] == by_row[row][1:], task
+        asked = {row: (s, e) for row, s, e in spans[1::2]}
+        assert all(asked[row + 1] == asked[row] for row, _ in pairs[::2]), task
+    assert copy_targets(ex, digits, first=None) == copy_targets(ex, digits)
+
+
 def _gather_case(seed: int, *tasks: tuple[str, int]):
     """-> the tiny model, a batch of items of (task, haystack), its copy supervision with gather spans."""
     tok, rng = ByteTokenizer(), random.Random(seed)
