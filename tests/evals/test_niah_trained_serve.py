@@ -1,6 +1,7 @@
 """k3-tiny-niah through the real Serve endpoint (`k3ray serve --model k3-tiny-niah`'s app on
-loopback): niah at 1K, 2K and 4K (3 depths x 10 samples, seed 0) at the issue's 0.95, with the
-in-process engine's predictions; and the Ray executor (pipeline 2 x expert-parallel 2) gives those predictions too."""
+loopback): niah at 1K, 2K and 4K (3 depths x 10 samples, seed 0) at the issue's 0.95 and niah_multikey_1
+at 2K at its 0.8, with the in-process engine's predictions; and the Ray executor (pipeline 2 x
+expert-parallel 2) gives those predictions too."""
 
 import socket
 
@@ -28,18 +29,20 @@ def _serve(serve_app, port: int, checkpoint: str, parallel: dict) -> OpenAITarge
     return OpenAITarget(serve_app(args, port=port), checkpoint)
 
 
-def test_served_niah_reaches_the_floors_with_the_engine_s_predictions(serve_app, port, trained_checkpoint, plain_niah,
-                                                                      trained_grid, niah_floors, tmp_path):
+def test_served_niah_reaches_the_floors_with_the_engine_s_predictions(serve_app, port, trained_checkpoint, plain_grids,
+                                                                      trained_grid, niah_floors, multikey_floors,
+                                                                      tmp_path):
     served = _serve(serve_app, port, trained_checkpoint, {})
-    scores, got = trained_grid(served, tmp_path / "served", "niah", tuple(niah_floors), samples=10)
-    assert all(scores[n] >= floor for n, floor in niah_floors.items()), scores
-    assert got == plain_niah.predictions  # every cell, at every length
+    for task, floors in (("niah", niah_floors), ("niah_multikey_1", multikey_floors)):
+        scores, got = trained_grid(served, tmp_path / task, task, tuple(floors), samples=10)
+        assert all(scores[n] >= floor for n, floor in floors.items()), (task, scores)
+        assert got == plain_grids[task].predictions, task  # every cell, at every length
 
 
-def test_pipeline_2_x_expert_parallel_2_gives_the_plain_predictions(serve_app, port, trained_checkpoint, plain_niah,
+def test_pipeline_2_x_expert_parallel_2_gives_the_plain_predictions(serve_app, port, trained_checkpoint, plain_grids,
                                                                     trained_grid, tmp_path):
-    assert plain_niah.scores[2048] >= 0.5, plain_niah.scores
-    want = plain_niah.at(2048, samples=3)
+    assert all(grid.scores[2048] >= 0.5 for grid in plain_grids.values())
     distributed = _serve(serve_app, port, trained_checkpoint, {"pipeline": 2, "expert_parallel": 2})
-    _, got = trained_grid(distributed, tmp_path / "distributed", "niah", (2048,), samples=3)
-    assert got == want
+    for task, grid in plain_grids.items():
+        _, got = trained_grid(distributed, tmp_path / task, task, (2048,), samples=3)
+        assert got == grid.at(2048, samples=3), task
