@@ -13,9 +13,9 @@ computed by the ingress router, ingress_router.py). What each replica holds come
   (every snapshot_interval blocks and the prompt's last full block), forgotten after provisional_ttl_s.
 Only some replicas' queues are probed when there are more than PROBE_ALL: those with the deepest
 match (at most MATCH_PROBES, by chance) and PROBE_OTHERS more by chance, as Serve's power-of-two
-router does; the held prefixes are read without copying them. The target is the replica with the longest match. It is passed over for the least-loaded replica
-when it is full or its queue (Serve's ongoing requests, probed) exceeds the least-loaded one's by
-more than max_imbalance. A prompt that matches nothing goes to the least-loaded replica, ties to
+router does; the held prefixes are read without copying them. The target is the replica with the
+longest match. It is passed over for the least-loaded replica when it is full or its queue (Serve's
+ongoing requests, probed) exceeds the least-loaded one's by more than max_imbalance. A prompt that matches nothing goes to the least-loaded replica, ties to
 the one holding fewer prefixes (so unrelated conversations spread).
 """
 

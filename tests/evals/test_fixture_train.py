@@ -507,7 +507,7 @@ def test_value_readout_is_the_heads_share_were_it_to_read_only_the_asked_number(
 def test_gather_gain_scales_only_the_gathering_heads_output_projection(gather_layer):
     model = trainable_model(CONFIGS["tiny"](), seed=0)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    fixture_model.amplify_gather_head(model, gather_layer, 4.0)
+    fixture_model.amplify_mla_head(model, gather_layer, 4.0, head=fixture_model.GATHER_HEAD)
     mla = [i for i, kind in enumerate(model.config.layer_types) if kind == "mla"]
     name = f"model.layers.{mla[gather_layer - 1]}.self_attn.o_proj.weight"
     dv = model.config.v_head_dim
