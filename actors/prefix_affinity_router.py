@@ -15,8 +15,9 @@ Only some replicas' queues are probed when there are more than PROBE_ALL: those 
 match (at most MATCH_PROBES, by chance) and PROBE_OTHERS more by chance, as Serve's power-of-two
 router does; the held prefixes are read without copying them. The target is the replica with the
 longest match. It is passed over for the least-loaded replica when it is full or its queue (Serve's
-ongoing requests, probed) exceeds the least-loaded one's by more than max_imbalance. A prompt that matches nothing goes to the least-loaded replica, ties to
-the one holding fewer prefixes (so unrelated conversations spread).
+ongoing requests, probed) exceeds the least-loaded one's by more than max_imbalance. A prompt that
+matches nothing goes to the least-loaded replica, ties to the one holding fewer prefixes (so
+unrelated conversations spread).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def pick_replica(chain: Sequence[bytes], held: Mapping[Hashable, Set[bytes]], qu
                  capacity: Mapping[Hashable, int], max_imbalance: int, rng: random.Random = random) -> Hashable:
     """The replica for a request whose block chain is `chain`: the longest match unless it is full
     (while another is not) or more than max_imbalance requests behind the least loaded, else the
-    least loaded (ties: fewer prefixes held, then chance). `queue` holds the replicas that answered a probe (all are
-    candidates); `held` and `capacity` cover at least those."""
+    least loaded (ties: fewer prefixes held, then chance). `queue` holds the replicas that answered a
+    probe (all are candidates); `held` and `capacity` cover at least those."""
     assert queue, "no replica to choose from"
     least = min(queue.values())
     room = any(queue[r] < capacity[r] for r in queue)  # all full: the request queues wherever it goes

@@ -156,7 +156,7 @@ def _whole_batch_copy_supervision(items, width, digits, gather=False):
     copy = CopySupervision(*torch.tensor(flat).T)
     if gather:
         flat = [(b * width + row, b * width + start, b * width + end) for b, e in enumerate(items)
-                for row, start, end in gather_targets(e, copy_targets(e, digits, lead_only=True))]
+                for row, start, end in gather_targets(e, copy_targets(e, digits, first=1))]
         copy.gather_rows, copy.gather_starts, copy.gather_ends = torch.tensor(flat).T
     return copy
 
@@ -221,7 +221,7 @@ def test_copy_targets_point_each_number_digit_at_its_first_occurrence():
         answer_rows = [(r, s) for r, s in pairs if r >= len(ex.prompt) - 1]
         assert answer_rows == [(first + j, start + j) for j in range(len(asked))], task
         assert all(s < r and seq[s] == seq[r + 1] for r, s in pairs), task
-        lead = copy_targets(ex, digits, lead_only=True)  # the first digit of each copied number only
+        lead = copy_targets(ex, digits, first=1)  # the first digit of each copied number only
         assert set(lead) < set(pairs) and (first, start) in lead, task
         assert all((r - 1, s - 1) not in pairs for r, s in lead), task
     for task in ("recall_wide", "needles_wide"):  # and every digit of the labelled earlier answers
@@ -229,7 +229,7 @@ def test_copy_targets_point_each_number_digit_at_its_first_occurrence():
         labelled_digits = sum(chr(ex.prompt[p + 1]).isdigit() for p in ex.prompt_labels)
         assert len(copy_targets(ex, digits)) == labelled_digits + 7 > 7
         numbers = sum(chr(ex.prompt[p + 1]).isdigit() and not chr(ex.prompt[p]).isdigit() for p in ex.prompt_labels)
-        assert len(copy_targets(ex, digits, lead_only=True)) == numbers + 1, task
+        assert len(copy_targets(ex, digits, first=1)) == numbers + 1, task
 
 
 def forward_recording_attention(monkeypatch, model, batch, copy) -> list[tuple[torch.Tensor, ...]]:
@@ -271,7 +271,7 @@ def test_gather_targets_span_the_copied_numbers_key_at_the_number_and_at_the_que
     for task in ("niah_multikey_1", "recall", "recall_is", "recall_letter", "multikey_chain"):
         ex = data.make_example(task, 300, rng, tok)
         text = tok.decode(ex.prompt + ex.answer)
-        pairs = copy_targets(ex, digits, lead_only=True)
+        pairs = copy_targets(ex, digits, first=1)
         spans = gather_targets(ex, pairs)
         assert len(spans) == 2 * len(pairs) > 0, task
         for (row, source), stored, asked in zip(pairs, spans[::2], spans[1::2]):
@@ -290,7 +290,7 @@ def test_a_later_lookup_digit_gathers_its_numbers_key_at_both_ends():
     digits = set(tok.encode("0123456789"))
     for task in ("niah_multikey_1", "recall_is", "multikey_chain"):
         ex = data.make_example(task, 300, rng, tok)
-        lead = gather_targets(ex, copy_targets(ex, digits, lead_only=True))
+        lead = gather_targets(ex, copy_targets(ex, digits, first=1))
         pairs = copy_targets(ex, digits, first=2)
         spans = gather_targets(ex, pairs)
         assert len(spans) == 2 * len(pairs) == 2 * len(lead), task  # lead: 2 spans a number; here 2 digits a number
