@@ -188,8 +188,10 @@ LEFTOVER_GRACE_S = 10.0
 
 def reap_leftovers(processes: list[psutil.Process], grace_s: float = LEFTOVER_GRACE_S) -> list[psutil.Process]:
     """Wait up to grace_s for processes to exit, then SIGTERM the rest and, 5 s later, SIGKILL them:
-    a command that started Ray leaves none of its processes behind. -> the ones that had to be stopped."""
-    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    a command that started Ray leaves none of its processes behind. -> the ones that had to be stopped,
+    in the order given (wait_procs answers in set order)."""
+    _, still_up = psutil.wait_procs(processes, timeout=grace_s)
+    alive = [p for p in processes if p in still_up]
     for signal_them in (psutil.Process.terminate, psutil.Process.kill):
         for p in alive:
             try:
