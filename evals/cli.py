@@ -19,7 +19,7 @@ import sys
 from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
 from k3ray.threads import add_threads_argument
 
-from k3ray.device_flags import add_device_argument, add_enforce_eager_argument
+from k3ray.device_flags import add_device_argument, add_dtype_argument, add_enforce_eager_argument
 
 HELP = "long-context and multimodal evals against an endpoint or engine"
 SUITE_HELP = {
@@ -100,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         engine.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the checkpoint's own)")
         add_threads_argument(engine)
         add_device_argument(engine)
+        add_dtype_argument(engine)
         add_enforce_eager_argument(engine)
     add_lm_eval_arguments(suites.add_parser("lm-eval", help=LM_EVAL_HELP, description=LM_EVAL_HELP))
 
@@ -146,6 +147,8 @@ def _target(args: argparse.Namespace):
 
 
 def _engine_target(args: argparse.Namespace):
+    import torch
+
     from k3ray.engine import LLM
     from k3ray.evals.engine_target import EngineTarget
     from k3ray.threads import set_threads
@@ -156,7 +159,7 @@ def _engine_target(args: argparse.Namespace):
     options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     llm = LLM(args.model, tokenizer=args.tokenizer, max_num_batched_tokens=args.max_num_batched_tokens,
               cache_memory_bytes=int(args.cache_memory_mb * 1024**2), device=args.device,
-              enforce_eager=args.enforce_eager, **options)
+              dtype=getattr(torch, args.dtype), enforce_eager=args.enforce_eager, **options)
     return EngineTarget(llm)
 
 

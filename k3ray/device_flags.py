@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")  # "cuda:N": any CUDA device index
+DTYPE_CHOICES = ("float32", "bfloat16")
 
 
 def add_device_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -17,3 +18,8 @@ def add_enforce_eager_argument(parser: argparse.ArgumentParser | argparse._Argum
     """`--enforce-eager`: EngineConfig.enforce_eager."""
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: decode steps run eagerly too (the CPU always does)")
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--dtype`: the torch dtype name of the weights and activations (getattr(torch, args.dtype))."""
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="weights and activations")

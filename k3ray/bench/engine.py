@@ -24,7 +24,7 @@ import psutil
 
 from k3ray.bench.common import machine
 from k3ray.config import preset
-from k3ray.device_flags import add_device_argument, add_enforce_eager_argument
+from k3ray.device_flags import add_device_argument, add_dtype_argument, add_enforce_eager_argument
 from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "continuous batching, prefix caching, speculative decoding, long prompts"
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention weight scale of the draft-friendly model")
     parser.add_argument("--long-prompt-tokens", type=int, default=16384, help="e.g. 1048576 for 1M")
     parser.add_argument("--long-chunk", type=int, default=512, help="prefill tokens per step")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model weights")
+    add_dtype_argument(parser)
     parser.add_argument("--graph-max-tokens", type=int, default=128, help="decode steps timed per CUDA-graph run")
     parser.add_argument("--skip", nargs="*", default=[], choices=["batching", "prefix", "spec", "long", "graphs"],
                         help="runs to leave out")

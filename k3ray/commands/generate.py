@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from k3ray.device_flags import add_device_argument
+from k3ray.device_flags import add_device_argument, add_dtype_argument
 from k3ray.threads import add_threads_argument
 
 HELP = "generate text in this process from a checkpoint"
@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 = all")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
+    add_dtype_argument(p)
     add_threads_argument(p)
     add_device_argument(p)
 

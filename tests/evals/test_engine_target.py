@@ -114,3 +114,20 @@ def test_a_niah_grid_runs_through_the_runner(target, tmp_path):
     assert sorted(r["prompt_tokens"] for r in records) == [512, 512]
     for r in records:
         assert r["score"] in (0.0, 1.0)
+
+
+def test_the_eval_command_runs_its_engine_in_the_asked_dtype(tiny_checkpoint, tmp_path):
+    """`k3ray eval --model DIR --dtype bfloat16`: the engine's weights and caches are bf16."""
+    import torch
+
+    from k3ray.cli import build_parser
+    from k3ray.evals.cli import _engine_target
+
+    argv = ["eval", "niah", "--model", tiny_checkpoint, "--out", str(tmp_path), "--device", "cpu",
+            "--dtype", "bfloat16", "--threads", str(torch.get_num_threads()), "--max-model-len", "256",
+            "--cache-memory-mb", "16"]
+    bf16 = _engine_target(build_parser(argv).parse_args(argv))
+    assert bf16.complete("The cat sat on the", 3) is not None
+    executor = bf16.engine.executor
+    assert executor.model.dtype == torch.bfloat16
+    assert {t.dtype for t in executor.cache.mla_latent.values()} == {torch.bfloat16}

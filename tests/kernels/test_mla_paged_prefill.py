@@ -34,3 +34,28 @@ def test_paged_prefill_rejects_bad_shapes():
         mla_prefill_paged(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(1), 0, 4, 2, 1.0)
     with pytest.raises(ValueError, match="prior_len"):
         mla_prefill_paged(torch.zeros(2, 1, 3), torch.zeros(4, 3), torch.zeros(1), -1, 4, 2, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_prefill_cpu_half_operands_stay_within_their_roundings(dtype):
+    """Half-precision q and cache go to the flash calls as they are (fp32 sums inside). Against the
+    fp64 attention of the same rounded values, the error is a few roundings of the output's size:
+    probabilities, each chunk's output and the result are each rounded once (unit roundoff u), so
+    |err| <= 3u max|v| (plus fp32 noise); fp32 math on the same inputs rounds only the result."""
+    gen = torch.Generator().manual_seed(5)
+    H, L, R, bs, prior, tq = 4, 64, 16, 16, 300, 40
+    total = prior + tq
+    lat = torch.randn(total, L + R, generator=gen).to(dtype)
+    q = torch.randn(tq, H, L + R, generator=gen).to(dtype)
+    table = torch.randperm(total // bs + 1, generator=gen)
+    cache = torch.zeros(len(table) * bs, L + R, dtype=dtype)
+    pos = torch.arange(total)
+    cache[table[pos // bs] * bs + pos % bs] = lat
+    ref = absorbed_mla_attention(q.double(), lat.double(), L, 0.1)
+    u = torch.finfo(dtype).eps / 2
+    out = mla_prefill_paged_cpu(q, cache, table, prior, bs, L, 0.1, chunk=128)  # three prior chunks
+    assert out.dtype == dtype
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 3 * u * lat[:, :L].abs().max().item()
+    fp32 = mla_prefill_paged_cpu(q.float(), cache.float(), table, prior, bs, L, 0.1, chunk=128)
+    assert (fp32.double() - ref).abs().max().item() <= 1e-5  # the fp32 path: fp32 noise only
