@@ -65,13 +65,18 @@ def test_a_conversations_turns_stay_on_one_replica(two_replicas):
 
 def test_unrelated_prompts_reach_both_replicas(two_replicas):
     url, tokenizer = two_replicas
+    # ties go to the replica holding fewer prefixes, so the one still holding the conversation of the
+    # test before gets a prompt once the other holds more: up to 24 prompts, each on exactly one replica
     served_by = []
-    for i in range(8):
+    for i in range(24):
         messages = [{"role": "user", "content": f"Unrelated question {i}: " + "why is the sky blue? " * (1 + i % 3)}]
         chain = block_chain(prompt_ids(tokenizer, {"messages": messages}), BS)
         chat(url, messages)
         served_by.extend(holders(chain[-1]))
-    assert len(set(served_by)) == 2 and len(served_by) == 8, served_by
+        assert len(served_by) == i + 1, served_by
+        if len(set(served_by)) == 2:
+            break
+    assert len(set(served_by)) == 2, served_by
 
 
 def test_haproxy_keeps_k3rays_rewrites_with_the_router(two_replicas):
