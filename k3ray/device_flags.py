@@ -20,6 +20,6 @@ def add_enforce_eager_argument(parser: argparse.ArgumentParser | argparse._Argum
                         help="no CUDA graphs: decode steps run eagerly too (the CPU always does)")
 
 
-def add_dtype_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+def add_dtype_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "float32") -> None:
     """`--dtype`: the torch dtype name of the weights and activations (getattr(torch, args.dtype))."""
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="weights and activations")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=default, help="weights and activations")

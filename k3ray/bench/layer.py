@@ -17,7 +17,7 @@ from typing import Any
 from k3ray.bench.common import machine, median_time, under_torch
 from k3ray.bench.kernels import H200_BYTES_PER_S
 from k3ray.config import ModelConfig, preset
-from k3ray.device_flags import add_device_argument
+from k3ray.device_flags import add_device_argument, add_dtype_argument
 from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "one full-width decoder layer of each kind: prefill tok/s, decode step time, HBM roofline"
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens", type=int, default=None, help="default: 8,192 for k3, 256 for k3-tiny")
     p.add_argument("--decode-batch", type=int, nargs="+", default=None, help="default: 1 64 256 for k3, 1 8 tiny")
     p.add_argument("--context", type=int, default=None, help="decode context: default 32,768 for k3, 512 tiny")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
+    add_dtype_argument(p, default="bfloat16")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     add_threads_argument(p)
 
