@@ -3,7 +3,9 @@
 The MLA latent cache is paged in blocks of `block_size` tokens; the KDA / conv state is one slot
 per sequence. Prefix caching keeps full blocks by chain hash and snapshots of the state at
 block-aligned boundaries; a hit resumes at the longest prefix whose blocks are all cached and
-whose snapshot was written.
+whose snapshot was written. Snapshots are written every `snapshot_interval` blocks, at the
+prompt's last full block, and where a prompt leaves the cached blocks it shares with earlier
+prompts (its branch point), so the next prompt that shares that prefix resumes exactly there.
 """
 
 from __future__ import annotations
@@ -75,11 +77,12 @@ class PrefixHit:
 
 class CacheManager:
     def __init__(self, geometry: CacheGeometry, layout: CacheLayout, enable_prefix_caching: bool = True,
-                 snapshot_interval: int = 64) -> None:
+                 snapshot_interval: int = 64, max_protected_snapshots: int = 0) -> None:
+        """max_protected_snapshots: how many snapshots that served a hit outlast unused ones (StatePool)."""
         self.geometry = geometry
         self.block_size = geometry.block_size
         self.blocks = BlockPool(geometry.num_blocks, geometry.block_size)
-        self.states = StatePool(geometry.num_state_slots)
+        self.states = StatePool(geometry.num_state_slots, max_protected_snapshots)
         self.enable_prefix_caching = enable_prefix_caching
         self.snapshot_stride = snapshot_interval * geometry.block_size
         self.slot_bytes = sum(state_slot_bytes(c, d) for c, d in layout)
@@ -126,7 +129,8 @@ class CacheManager:
         return hashes[:num_blocks]
 
     def find_prefix(self, seq: Sequence) -> PrefixHit | None:
-        """The longest cached prefix (leaving at least one token to compute) with a written snapshot."""
+        """The longest cached prefix (leaving at least one token to compute) with a written snapshot.
+        Where seq's cached blocks run on past it, their end becomes seq's branch point."""
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(seq, max_blocks)
         blocks = []
@@ -135,6 +139,7 @@ class CacheManager:
             if b is None:
                 break
             blocks.append(b)
+        seq.branch_point = len(blocks) * self.block_size
         for n in range(len(blocks), 0, -1):
             slot = self.states.lookup(hashes[n - 1])
             if slot is not None:
@@ -142,13 +147,13 @@ class CacheManager:
         return None
 
     def next_boundary(self, seq: Sequence, start: int) -> int | None:
-        """The first snapshot boundary after `start`: a multiple of the stride or the prompt's last
-        full block."""
+        """The first snapshot boundary after `start`: a multiple of the stride, the prompt's branch
+        point or its last full block."""
         if not self.enable_prefix_caching:
             return None
         stride = (start // self.snapshot_stride + 1) * self.snapshot_stride
         prompt_end = seq.prompt_len // self.block_size * self.block_size
-        return prompt_end if start < prompt_end < stride else stride
+        return min([b for b in (seq.branch_point, prompt_end) if start < b < stride], default=stride)
 
     def snapshot_key(self, seq: Sequence, boundary: int) -> bytes:
         return self.block_hashes(seq, boundary // self.block_size)[-1]

@@ -71,7 +71,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = self.model_config.vocab_size
-        self.cache = CacheManager(geometry, layout, config.enable_prefix_caching, config.snapshot_interval)
+        spare_slots = geometry.num_state_slots - config.max_num_seqs * config.slots_per_seq
+        self.cache = CacheManager(geometry, layout, config.enable_prefix_caching, config.snapshot_interval,
+                                  max_protected_snapshots=spare_slots // 2)
         self.scheduler = Scheduler(config, self.cache, max_model_len)
         eos = {self.model_config.eos_token_id} | set(getattr(tokenizer, "stop_token_ids", ()))
         self.output_processor = OutputProcessor(frozenset(eos), max_model_len, tokenizer)

@@ -157,7 +157,7 @@ class Scheduler:
         if end <= start or cache.states.num_available < self.config.slots_per_seq:
             if hit is not None:
                 cache.blocks.release(hit.blocks)
-                cache.states.unpin(hit.snapshot_slot)
+                cache.states.unpin(hit.snapshot_slot, resumed=False)
             return None
         slots = cache.states.allocate(self.config.slots_per_seq)
         seq.state_slot, seq.spec_slots = slots[0], slots[1:]
@@ -289,7 +289,7 @@ class Scheduler:
         for slot in out.snapshots:
             self.cache.states.commit_snapshot(slot)
         for slot in out.pinned:
-            self.cache.states.unpin(slot)
+            self.cache.states.unpin(slot, resumed=True)
         for sc in out.seqs:
             seq = sc.seq
             if seq.status is SequenceStatus.WAITING:
@@ -307,7 +307,7 @@ class Scheduler:
         for slot in out.snapshots:
             self.cache.states.drop_snapshot(slot)
         for slot in out.pinned:
-            self.cache.states.unpin(slot)
+            self.cache.states.unpin(slot, resumed=False)
         for sc in out.seqs:
             if sc.seq.status is SequenceStatus.RUNNING:
                 self._release(sc.seq)

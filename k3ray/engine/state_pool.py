@@ -3,8 +3,10 @@
 A snapshot is the state after a block-aligned prefix, keyed by that prefix's chain hash. It is
 `pending` from the step that copies it until that step completes, and only then `valid` (usable
 by a prefix hit), so a hit can never restore a state that was not written. Valid snapshots are
-evicted least recently used first whenever a slot is needed, except while `pinned` by a step
-that reads them.
+evicted whenever a slot is needed, except while `pinned` by a step that reads them, in two
+segments (segmented LRU): snapshots a hit has resumed from are `protected` (at most
+`max_protected`, the least recently used demoted past it) and go after every snapshot that has
+served none, so one long prompt's run of snapshots cannot flush a shared prefix's.
 """
 
 from __future__ import annotations
@@ -13,18 +15,21 @@ from collections import OrderedDict
 
 
 class StatePool:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, max_protected: int = 0) -> None:
         self.num_slots = num_slots
+        self.max_protected = max_protected
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
         self.valid: dict[bytes, int] = {}
         self.pending: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # valid, unpinned; oldest first
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # valid, unpinned, never hit; oldest first
+        self.protected: OrderedDict[int, None] = OrderedDict()  # valid, unpinned, hit; oldest first
+        self.reused: set[int] = set()  # snapshot slots a completed hit resumed from (protected or pinned)
         self.pins: dict[int, int] = {}
 
     @property
     def num_available(self) -> int:
-        return len(self.free) + len(self.evictable)
+        return len(self.free) + len(self.evictable) + len(self.protected)
 
     @property
     def num_snapshots(self) -> int:
@@ -38,7 +43,8 @@ class StatePool:
     def _take(self) -> int:
         if self.free:
             return self.free.pop()
-        slot, _ = self.evictable.popitem(last=False)
+        slot, _ = (self.evictable or self.protected).popitem(last=False)
+        self.reused.discard(slot)
         del self.valid[self.key_of.pop(slot)]
         return slot
 
@@ -60,13 +66,25 @@ class StatePool:
 
     def pin(self, slot: int) -> None:
         self.evictable.pop(slot, None)
+        self.protected.pop(slot, None)
         self.pins[slot] = self.pins.get(slot, 0) + 1
 
-    def unpin(self, slot: int) -> None:
+    def unpin(self, slot: int, resumed: bool) -> None:
+        """A step that pinned `slot` is over; `resumed`: it completed, restoring the snapshot for a hit."""
+        if resumed and self.max_protected:
+            self.reused.add(slot)
         self.pins[slot] -= 1
-        if self.pins[slot] == 0:
-            del self.pins[slot]
+        if self.pins[slot] > 0:
+            return
+        del self.pins[slot]
+        if slot not in self.reused:
             self.evictable[slot] = None  # most recently used
+            return
+        self.protected[slot] = None
+        if len(self.protected) > self.max_protected:  # the oldest protected goes back to the other segment
+            demoted, _ = self.protected.popitem(last=False)
+            self.reused.discard(demoted)
+            self.evictable[demoted] = None
 
     def reserve_snapshot(self, key: bytes) -> int | None:
         """A slot the coming step will copy the state for `key` into, or None if none is spare."""
@@ -92,7 +110,9 @@ class StatePool:
 
     def clear_snapshots(self) -> None:
         """Free every valid, unpinned snapshot."""
-        for slot in list(self.evictable):
+        for slot in [*self.evictable, *self.protected]:
             del self.valid[self.key_of.pop(slot)]
+            self.reused.discard(slot)
             self.free.append(slot)
         self.evictable.clear()
+        self.protected.clear()

@@ -55,6 +55,11 @@ def check_accounting(engine):
     assert refs == cache.blocks.ref
     assert len(set(live)) == len(live) == cache.states.num_live
     assert not set(live) & set(cache.states.free) and not set(live) & set(cache.states.key_of)
+    states = cache.states
+    snapshots = set(states.valid.values())
+    assert snapshots == set(states.evictable) | set(states.protected) | (snapshots & set(states.pins))
+    assert not set(states.evictable) & set(states.protected) and not set(states.pins) & set(states.evictable)
+    assert len(states.protected) <= states.max_protected and states.reused <= snapshots
     assert len(cache.blocks.free) + len(cache.blocks.cached) + sum(r > 0 for r in refs) == cache.geometry.num_blocks
 
 

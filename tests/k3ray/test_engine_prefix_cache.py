@@ -166,6 +166,43 @@ def test_the_next_turn_resumes_from_the_previous_prompt_end(model):
     assert hits(engine) == 24  # the last full block of turn 1's prompt
 
 
+def test_a_prompt_that_leaves_the_cached_blocks_snapshots_where_it_branches(model):
+    first = tokens(45, 5)
+    engine = make_engine(model, snapshot_interval=2)  # interval snapshots at 16 and 32, the prompt end at 40
+    run(engine, first)
+    second = first[:27] + tokens(6, 16)  # shares three blocks: resumes at 16, branches at 24
+    assert run(engine, second) == [cold(model, second)]
+    assert hits(engine) == 16
+    assert engine.cache.states.lookup(engine.cache.snapshot_key(engine_seq(engine, second), 24)) is not None
+    third = first[:30] + tokens(9, 17)
+    assert run(engine, third) == [cold(model, third)]
+    assert hits(engine) == 16 + 24  # from the branch point the second prompt wrote
+
+
+def test_a_snapshot_that_served_a_hit_outlasts_a_long_prompts_snapshots(model):
+    system = tokens(16, 20)
+    # one live slot, four spare (two of them may be protected), a snapshot every block
+    engine = make_engine(model, max_num_seqs=1, num_state_slots=5)
+    run(engine, system + tokens(5, 21))
+    run(engine, system + tokens(6, 22))  # resumes from the snapshot at 16: it is now protected
+    assert hits(engine) == 16
+    run(engine, tokens(120, 23))  # fifteen snapshots, an unrelated prompt: they evict one another
+    seq = engine_seq(engine, system + tokens(7, 24))
+    assert engine.cache.states.lookup(engine.cache.snapshot_key(seq, 8)) is None  # never hit: evicted
+    last = system + tokens(7, 24)
+    assert run(engine, last) == [cold(model, last)]
+    assert hits(engine) == 32
+
+
+def test_without_a_hit_snapshots_are_evicted_least_recently_used_first(model):
+    engine = make_engine(model, max_num_seqs=1, num_state_slots=5)
+    system = tokens(16, 20)
+    run(engine, system + tokens(5, 21))
+    run(engine, tokens(120, 23))
+    seq = engine_seq(engine, system + tokens(7, 24))
+    assert engine.cache.states.lookup(engine.cache.snapshot_key(seq, 16)) is None
+
+
 def engine_seq(engine, prompt):
     """A sequence for `prompt`, built but not queued (to ask the cache about it)."""
     return engine.make_request(f"probe-{len(prompt)}-{prompt[-1]}", prompt, PARAMS).seqs[0]

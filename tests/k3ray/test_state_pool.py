@@ -1,0 +1,63 @@
+"""StatePool's snapshot eviction: segmented LRU, snapshots a hit resumed from outlasting unused ones."""
+
+from k3ray.engine.state_pool import StatePool
+
+
+def snapshot(pool, key):
+    slot = pool.reserve_snapshot(key)
+    pool.commit_snapshot(slot)
+    return slot
+
+
+def resume(pool, slot, completed=True):
+    pool.pin(slot)
+    pool.unpin(slot, resumed=completed)
+
+
+def held(pool):
+    return sorted(pool.valid)
+
+
+def test_unused_snapshots_go_first_then_the_least_recently_resumed():
+    pool = StatePool(3, max_protected=2)
+    a, b = snapshot(pool, b"a"), snapshot(pool, b"b")
+    resume(pool, a)
+    snapshot(pool, b"c")
+    snapshot(pool, b"d")  # evicts b (never resumed), not a (older but resumed)
+    assert held(pool) == [b"a", b"c", b"d"]
+    snapshot(pool, b"e")  # evicts c
+    resume(pool, pool.lookup(b"e"))
+    snapshot(pool, b"f")  # evicts d; a and e are protected
+    assert held(pool) == [b"a", b"e", b"f"]
+    resume(pool, pool.lookup(b"f"))  # three protected past the limit of two: a, the oldest, is demoted
+    snapshot(pool, b"g")
+    assert held(pool) == [b"e", b"f", b"g"]
+
+
+def test_a_step_that_did_not_complete_protects_nothing():
+    pool = StatePool(2, max_protected=1)
+    a = snapshot(pool, b"a")
+    snapshot(pool, b"b")
+    resume(pool, a, completed=False)
+    snapshot(pool, b"c")  # a went back unprotected, as the most recently used: c evicts b
+    snapshot(pool, b"d")  # and d evicts a
+    assert held(pool) == [b"c", b"d"]
+
+
+def test_with_no_protected_room_eviction_is_plain_lru():
+    pool = StatePool(2)
+    a = snapshot(pool, b"a")
+    snapshot(pool, b"b")
+    resume(pool, a)
+    snapshot(pool, b"c")  # evicts b, the least recently used
+    assert held(pool) == [b"a", b"c"]
+    assert not pool.protected and not pool.reused
+
+
+def test_clearing_frees_both_segments():
+    pool = StatePool(3, max_protected=1)
+    a = snapshot(pool, b"a")
+    snapshot(pool, b"b")
+    resume(pool, a)
+    pool.clear_snapshots()
+    assert pool.num_snapshots == 0 and pool.num_available == 3 and not pool.reused
