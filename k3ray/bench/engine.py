@@ -3,6 +3,9 @@
 batching_speedup   generated tokens/s with `concurrency` requests in flight vs one at a time
 prefix_ttft_ratio  TTFT of a prompt sharing `prefix_shared` of its tokens with a cached one, over
                    TTFT of an unrelated prompt of the same length (both on a warm engine)
+prefix_hit_tokens_after_scan  tokens of that shared prefix a prompt still resumes after it served
+                   a hit and `prefix_scan_prompts` unrelated prompts then wrote twice as many
+                   snapshots as the engine has spare slots (the prefix was `prefix_scan_shared`)
 spec_speedup       plain over n-gram speculative wall time for repetitive text, and the draft
                    acceptance rate (the random tiny model never repeats itself, so this section
                    scales its attention outputs down until its greedy text loops: see config)
@@ -30,6 +33,7 @@ from k3ray.threads import add_threads_argument, set_threads
 HELP = "continuous batching, prefix caching, speculative decoding, long prompts"
 GIB = 1024**3
 PREFIX_REPEATS = 3  # medians over this many cold and warm prompts
+PREFIX_SCAN_PROMPTS = 4  # unrelated prompts between the shared prefix's hits in the scan run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result.update(bench_batching(model, args))
     if "prefix" not in args.skip:
         result.update(bench_prefix(model, args))
+        result.update(bench_prefix_scan(model, args))
     if "spec" not in args.skip:
         result.update(bench_spec(args))
     if "long" not in args.skip:
@@ -167,6 +172,30 @@ def bench_prefix(model, args) -> dict[str, Any]:
     cold_s, warm_s = statistics.median(cold), statistics.median(warm)
     return {"prefix_ttft_cold_s": cold_s, "prefix_ttft_warm_s": warm_s, "prefix_ttft_ratio": warm_s / cold_s,
             "prefix_hit_tokens": (llm.get_stats().prefix_cache_hits - hits) // PREFIX_REPEATS}
+
+
+def bench_prefix_scan(model, args) -> dict[str, Any]:
+    """A shared prefix that served a hit, then unrelated prompts whose snapshots overflow the spare
+    slots twice over: how much of the prefix the next prompt sharing it resumes."""
+    from k3ray.engine import LLM, SamplingParams
+
+    n, shared = args.prefix_prompt_tokens, int(args.prefix_prompt_tokens * args.prefix_shared)
+    per_prompt = n // (args.snapshot_interval * args.block_size) + 1  # interval snapshots + the prompt end
+    spare = PREFIX_SCAN_PROMPTS * per_prompt // 2
+    llm = LLM(model, max_num_seqs=1, block_size=args.block_size, enforce_eager=args.enforce_eager,
+              num_blocks=(PREFIX_SCAN_PROMPTS + 4) * _blocks(n, args.block_size),
+              max_num_batched_tokens=n, snapshot_interval=args.snapshot_interval, num_snapshot_slots=spare)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    prompts = _prompts(3 + PREFIX_SCAN_PROMPTS, n, 2)
+    base = prompts[0]
+    llm.generate([base], params)
+    llm.generate([base[:shared] + prompts[1][shared:]], params)  # the hit that shows the prefix is shared
+    for p in prompts[3:]:
+        llm.generate([p], params)
+    before = llm.get_stats().prefix_cache_hits
+    llm.generate([base[:shared] + prompts[2][shared:]], params)
+    return {"prefix_hit_tokens_after_scan": llm.get_stats().prefix_cache_hits - before,
+            "prefix_scan_shared": shared, "prefix_scan_prompts": PREFIX_SCAN_PROMPTS}
 
 
 def bench_spec(args) -> dict[str, Any]:

@@ -277,7 +277,8 @@ class Scheduler:
         cache = self.cache
         if cache.next_boundary(sc.seq, sc.end - 1) != sc.end:
             return
-        slot = cache.states.reserve_snapshot(cache.snapshot_key(sc.seq, sc.end))
+        shared = sc.end == sc.seq.branch_point  # two prompts share this prefix already
+        slot = cache.states.reserve_snapshot(cache.snapshot_key(sc.seq, sc.end), shared)
         if slot is not None:
             out.post_copies.append((sc.seq.state_slot, slot))
             out.snapshots.append(slot)

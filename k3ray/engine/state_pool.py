@@ -4,9 +4,10 @@ A snapshot is the state after a block-aligned prefix, keyed by that prefix's cha
 `pending` from the step that copies it until that step completes, and only then `valid` (usable
 by a prefix hit), so a hit can never restore a state that was not written. Valid snapshots are
 evicted whenever a slot is needed, except while `pinned` by a step that reads them, in two
-segments (segmented LRU): snapshots a hit has resumed from are `protected` (at most
-`max_protected`, the least recently used demoted past it) and go after every snapshot that has
-served none, so one long prompt's run of snapshots cannot flush a shared prefix's.
+segments (segmented LRU): those a hit has resumed from or written at a branch point (a prefix
+two prompts share) are `protected`, at most `max_protected` of them (the least recently used
+demoted past it), and go after every other, so one long prompt's run of snapshots cannot
+flush a shared prefix's.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ class StatePool:
         if resumed and self.max_protected:
             self.reused.add(slot)
         self.pins[slot] -= 1
-        if self.pins[slot] > 0:
-            return
-        del self.pins[slot]
+        if self.pins[slot] == 0:
+            del self.pins[slot]
+            self._make_evictable(slot)
+
+    def _make_evictable(self, slot: int) -> None:
         if slot not in self.reused:
             self.evictable[slot] = None  # most recently used
             return
@@ -86,13 +89,16 @@ class StatePool:
             self.reused.discard(demoted)
             self.evictable[demoted] = None
 
-    def reserve_snapshot(self, key: bytes) -> int | None:
-        """A slot the coming step will copy the state for `key` into, or None if none is spare."""
+    def reserve_snapshot(self, key: bytes, shared: bool = False) -> int | None:
+        """A slot the coming step will copy the state for `key` into, or None if none is spare.
+        `shared`: the prefix is known to be shared (a branch point), protected as if it had served a hit."""
         if self.has(key) or self.num_available == 0:
             return None
         slot = self._take()
         self.pending[key] = slot
         self.key_of[slot] = key
+        if shared and self.max_protected:
+            self.reused.add(slot)
         return slot
 
     def commit_snapshot(self, slot: int) -> None:
@@ -100,12 +106,13 @@ class StatePool:
         key = self.key_of[slot]
         del self.pending[key]
         self.valid[key] = slot
-        self.evictable[slot] = None
+        self._make_evictable(slot)
 
     def drop_snapshot(self, slot: int) -> None:
         """Forget a pending snapshot (its step did not complete)."""
         key = self.key_of.pop(slot)
         del self.pending[key]
+        self.reused.discard(slot)
         self.free.append(slot)
 
     def clear_snapshots(self) -> None:

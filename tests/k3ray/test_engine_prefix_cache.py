@@ -179,6 +179,17 @@ def test_a_prompt_that_leaves_the_cached_blocks_snapshots_where_it_branches(mode
     assert hits(engine) == 16 + 24  # from the branch point the second prompt wrote
 
 
+def test_a_branch_point_snapshot_outlasts_a_long_prompts_snapshots(model):
+    first = tokens(40, 25)
+    engine = make_engine(model, max_num_seqs=1, num_state_slots=5, snapshot_interval=2)
+    run(engine, first)
+    run(engine, first[:27] + tokens(6, 26))  # resumes at 16, writes the branch point at 24
+    run(engine, tokens(120, 27))  # unrelated: its snapshots evict one another and the unprotected ones
+    last = first[:27] + tokens(8, 28)
+    assert run(engine, last) == [cold(model, last)]
+    assert hits(engine) == 16 + 24
+
+
 def test_a_snapshot_that_served_a_hit_outlasts_a_long_prompts_snapshots(model):
     system = tokens(16, 20)
     # one live slot, four spare (two of them may be protected), a snapshot every block

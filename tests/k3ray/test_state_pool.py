@@ -61,3 +61,16 @@ def test_clearing_frees_both_segments():
     resume(pool, a)
     pool.clear_snapshots()
     assert pool.num_snapshots == 0 and pool.num_available == 3 and not pool.reused
+
+
+def test_a_snapshot_of_a_shared_prefix_is_protected_from_its_write_and_forgotten_if_dropped():
+    pool = StatePool(3, max_protected=1)
+    shared = pool.reserve_snapshot(b"branch", shared=True)
+    pool.commit_snapshot(shared)
+    snapshot(pool, b"b")
+    snapshot(pool, b"c")
+    snapshot(pool, b"d")  # evicts b, not the older branch-point snapshot
+    assert held(pool) == [b"branch", b"c", b"d"]
+    dropped = pool.reserve_snapshot(b"e", shared=True)  # evicts c
+    pool.drop_snapshot(dropped)
+    assert dropped not in pool.reused and held(pool) == [b"branch", b"d"]
