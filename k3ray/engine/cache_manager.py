@@ -78,7 +78,8 @@ class PrefixHit:
 class CacheManager:
     def __init__(self, geometry: CacheGeometry, layout: CacheLayout, enable_prefix_caching: bool = True,
                  snapshot_interval: int = 64, max_protected_snapshots: int = 0) -> None:
-        """max_protected_snapshots: how many snapshots that served a hit outlast unused ones (StatePool)."""
+        """max_protected_snapshots: how many snapshots that served a hit or sit at a branch point outlast the
+        others (StatePool)."""
         self.geometry = geometry
         self.block_size = geometry.block_size
         self.blocks = BlockPool(geometry.num_blocks, geometry.block_size)

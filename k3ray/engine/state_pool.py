@@ -23,9 +23,9 @@ class StatePool:
         self.valid: dict[bytes, int] = {}
         self.pending: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # valid, unpinned, never hit; oldest first
-        self.protected: OrderedDict[int, None] = OrderedDict()  # valid, unpinned, hit; oldest first
-        self.reused: set[int] = set()  # snapshot slots a completed hit resumed from (protected or pinned)
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # valid, unpinned, the rest; oldest first
+        self.protected: OrderedDict[int, None] = OrderedDict()  # valid, unpinned, in `reused`; oldest first
+        self.reused: set[int] = set()  # slots a completed hit resumed from or written at a branch point
         self.pins: dict[int, int] = {}
 
     @property
