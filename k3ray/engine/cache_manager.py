@@ -5,7 +5,8 @@ per sequence. Prefix caching keeps full blocks by chain hash and snapshots of th
 block-aligned boundaries; a hit resumes at the longest prefix whose blocks are all cached and
 whose snapshot was written. Snapshots are written every `snapshot_interval` blocks, at the
 prompt's last full block, and where a prompt leaves the cached blocks it shares with earlier
-prompts (its branch point), so the next prompt that shares that prefix resumes exactly there.
+prompts (its branch point, when that is at least a quarter interval past an interval boundary),
+so the next prompt that shares that prefix resumes there.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class CacheManager:
 
     def find_prefix(self, seq: Sequence) -> PrefixHit | None:
         """The longest cached prefix (leaving at least one token to compute) with a written snapshot.
-        Where seq's cached blocks run on past it, their end becomes seq's branch point."""
+        Where seq's cached blocks end becomes seq's branch point, if a snapshot there is worth its slot."""
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(seq, max_blocks)
         blocks = []
@@ -140,12 +141,17 @@ class CacheManager:
             if b is None:
                 break
             blocks.append(b)
-        seq.branch_point = len(blocks) * self.block_size
+        seq.branch_point = self._worth_a_snapshot(len(blocks) * self.block_size)
         for n in range(len(blocks), 0, -1):
             slot = self.states.lookup(hashes[n - 1])
             if slot is not None:
                 return PrefixHit(blocks[:n], slot, n * self.block_size)
         return None
+
+    def _worth_a_snapshot(self, branch: int) -> int:
+        """`branch` if a snapshot there saves a later prompt at least a quarter interval over the interval
+        snapshot below it (a state slot is K3's whole KDA state, 414 MiB), else 0 (none)."""
+        return branch if branch % self.snapshot_stride >= max(1, self.snapshot_stride // 4) else 0
 
     def next_boundary(self, seq: Sequence, start: int) -> int | None:
         """The first snapshot boundary after `start`: a multiple of the stride, the prompt's branch

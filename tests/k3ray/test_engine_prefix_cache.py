@@ -179,6 +179,15 @@ def test_a_prompt_that_leaves_the_cached_blocks_snapshots_where_it_branches(mode
     assert hits(engine) == 16 + 24  # from the branch point the second prompt wrote
 
 
+def test_a_branch_point_just_past_an_interval_boundary_gets_no_snapshot(model):
+    first = tokens(90, 29)
+    engine = make_engine(model, snapshot_interval=8)  # interval snapshots every 64 tokens
+    run(engine, first)
+    second = first[:75] + tokens(6, 30)  # branches at 72: 8 tokens past 64, under a quarter interval (16)
+    assert run(engine, second) == [cold(model, second)]
+    assert engine.cache.states.lookup(engine.cache.snapshot_key(engine_seq(engine, second), 72)) is None
+    assert hits(engine) == 64
+
 def test_a_branch_point_snapshot_outlasts_a_long_prompts_snapshots(model):
     first = tokens(40, 25)
     engine = make_engine(model, max_num_seqs=1, num_state_slots=5, snapshot_interval=2)
