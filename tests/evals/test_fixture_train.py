@@ -16,7 +16,8 @@ from k3ray.evals.fixture import data
 from k3ray.evals.fixture import model as fixture_model
 from k3ray.evals.fixture.init_weights import initial_weights
 from k3ray.evals.fixture.kda_train import chunk_kda_train
-from k3ray.evals.fixture.model import CopySupervision, niah_config, train_logits, trainable_model
+from k3ray.evals.fixture.model import CopySupervision, KdaCarry, niah_config, train_logits, trainable_model
+from k3ray.evals.fixture.state_bank import StateBank, haystack_ids, initial_states, kda_layers
 from k3ray.evals.fixture.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, apply_gains, batch_tensors,
                                       copy_targets, gather_targets, lead_digit_rows, length_groups, main, parse_args,
                                       prompt_targets, step_examples, train)
@@ -48,6 +49,26 @@ def test_training_kda_matches_the_reference_chunked_form():
     beta = torch.rand(B, T, H, generator=gen)
     want, _ = naive_chunk_kda(q, k, v, g, beta, K**-0.5)
     torch.testing.assert_close(chunk_kda_train(q, k, v, g, beta, K**-0.5), want, atol=1e-5, rtol=1e-4)
+
+
+def test_training_kda_carries_a_state_and_padding_leaves_it_alone():
+    gen = torch.Generator().manual_seed(1)
+    B, T, H, K = 2, 83, 2, 16
+    q, k = (l2norm(torch.randn(B, T, H, K, generator=gen)) for _ in range(2))
+    v = torch.randn(B, T, H, K, generator=gen)
+    g = -5 * torch.rand(B, T, H, K, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    state = torch.randn(B, H, K, K, generator=gen)
+    want_o, want_s = naive_chunk_kda(q, k, v, g, beta, K**-0.5, state, output_final_state=True)
+    o, s = chunk_kda_train(q, k, v, g, beta, K**-0.5, state, output_final_state=True)
+    torch.testing.assert_close(o, want_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s, want_s, atol=1e-4, rtol=1e-4)
+    # row 1 ends at 50: zero beta and gate on its padding keep its final state the one after token 49
+    g[1, 50:], beta[1, 50:] = 0.0, 0.0
+    _, padded = chunk_kda_train(q, k, v, g, beta, K**-0.5, state, output_final_state=True)
+    _, short = naive_chunk_kda(q[1:, :50], k[1:, :50], v[1:, :50], g[1:, :50], beta[1:, :50], K**-0.5, state[1:],
+                               output_final_state=True)
+    torch.testing.assert_close(padded[1:], short, atol=1e-4, rtol=1e-4)
 
 
 def test_training_forward_matches_the_serving_forward():
@@ -629,3 +650,74 @@ def test_init_from_names_what_it_cannot_load(tmp_path):
     out = tmp_path / "run"
     main(["--out", str(out), "--steps", "1", *TINY_RUN])
     initial_weights(trainable_model(CONFIGS["tiny"](), seed=1), str(out / STATE_FILE))
+
+
+def test_carried_kda_states_continue_a_sequence_and_padding_writes_none():
+    config = CONFIGS["tiny"]()
+    model = trainable_model(config, seed=5).eval()
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(2))
+    # one KDA layer, its short conv made a pass-through: then only the recurrent state links the two halves
+    attn = next(layer.self_attn for layer in model.model.layers.values() if isinstance(layer.self_attn, KimiDeltaAttention))
+    with torch.no_grad():
+        for conv in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d):
+            conv.weight.zero_()
+            conv.weight[:, 0, -1] = 1.0
+        x = model.embed(ids)  # [1, 48, D]
+        whole = fixture_model._kda(attn, x)
+        first = KdaCarry(torch.ones(1, 30, dtype=torch.bool))
+        head = fixture_model._kda(attn, x[:, :30], first)
+        second = KdaCarry(torch.ones(1, 18, dtype=torch.bool), {attn.layer_idx: first.final[attn.layer_idx]})
+        tail = fixture_model._kda(attn, x[:, 30:], second)
+    torch.testing.assert_close(torch.cat([head, tail], 1), whole, atol=1e-5, rtol=1e-4)
+    # through the whole model: a row padded past its 20 tokens ends in the states of those 20 tokens alone
+    padded = torch.stack([ids[0], torch.cat([ids[0, :20], torch.zeros(28, dtype=torch.long)])])
+    both = KdaCarry(torch.arange(48)[None] < torch.tensor([[48], [20]]))
+    alone = KdaCarry(torch.ones(1, 20, dtype=torch.bool))
+    with torch.no_grad():
+        train_logits(model, padded, torch.tensor([0]), carry=both)
+        train_logits(model, ids[:, :20], torch.tensor([0]), carry=alone)
+    assert set(both.final) == {a.layer_idx for a in kda_layers(model)}
+    for layer, state in alone.final.items():
+        torch.testing.assert_close(both.final[layer][1:], state, atol=1e-5, rtol=1e-4)
+
+
+def test_state_bank_ages_its_chains_and_items_draw_them():
+    config = CONFIGS["tiny"]()
+    model = trainable_model(config, seed=5).eval()
+    bank = StateBank(2, carry=1.0)
+    assert bank.ages() == [0, 0] and bank.chains == [None, None]
+    rng = random.Random(0)
+    for _ in range(2):
+        bank.age(model, [haystack_ids("abc def. " * 40, rng, 64, ByteTokenizer().encode) for _ in range(2)])
+    assert bank.ages() == [128, 128]
+    states = bank.chains[0].states
+    assert set(states) == {a.layer_idx for a in kda_layers(model)} and all(s.norm() > 0 for s in states.values())
+    assert not torch.equal(states[min(states)], bank.chains[1].states[min(states)])  # two haystacks, two states
+    assert all(bank.draw(rng) is not None for _ in range(20))
+    assert all(StateBank(2, carry=0.0).draw(rng) is None for _ in range(20))
+    starts = initial_states([None, bank.chains[1]], model)
+    layer = min(starts)
+    assert starts[layer].shape[0] == 2 and starts[layer][0].abs().sum() == 0
+    assert torch.equal(starts[layer][1], bank.chains[1].states[layer])
+    again = StateBank(2, carry=1.0)
+    again.load_state_dict(bank.state_dict())
+    assert again.ages() == [128, 128] and torch.equal(again.chains[1].states[layer], bank.chains[1].states[layer])
+    with pytest.raises(ValueError, match="has 2 chains, this run asks for 3"):
+        StateBank(3, carry=1.0).load_state_dict(bank.state_dict())
+    with pytest.raises(ValueError, match="probability"):
+        StateBank(1, carry=1.5)
+
+
+def test_a_carrying_run_ages_its_states_each_step_and_resumes_them(tmp_path):
+    carrying = ["--carry-state", "1.0", "--carry-chains", "2", "--carry-age", "64", "--carry-start-age", "128"]
+    main(["--out", str(tmp_path / "whole"), "--steps", "4", *carrying, *TINY_RUN])
+    records = [r for r in _log(tmp_path / "whole") if "loss" in r]
+    assert [r["carried"]["max_age"] for r in records] == [192, 256, 320, 384]  # pre-aged 128, then 64 a step
+    assert all(r["carried"]["items"] == r["carried"]["of"] for r in records)
+    state = torch.load(tmp_path / "whole" / STATE_FILE, weights_only=True)
+    assert [c["age"] for c in state["state_bank"]["chains"]] == [384, 384]
+    main(["--out", str(tmp_path / "halves"), "--steps", "4", "--stop-at", "2", *carrying, *TINY_RUN])
+    main(["--out", str(tmp_path / "halves"), "--steps", "4", *carrying, *TINY_RUN])
+    assert _losses(tmp_path / "halves") == pytest.approx(_losses(tmp_path / "whole"), rel=1e-3)
+    with pytest.raises(SystemExit, match="probability"):
+        main(["--out", str(tmp_path / "bad"), "--steps", "1", "--carry-state", "1.5", *TINY_RUN])
