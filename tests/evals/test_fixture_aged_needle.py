@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from k3ray.evals.fixture.aged_needle import main, read_needle
-from k3ray.evals.fixture.init_weights import initial_weights
-from k3ray.evals.fixture.model import niah_config, trainable_model
+from k3ray.evals.fixture.init_weights import trained_niah_model
 from k3ray.evals.fixture.needle_attention import needle_prompt
 from k3ray.evals.fixture.state_bank import Chain, kda_layers
 from k3ray.tokenizer import ByteTokenizer
@@ -25,10 +24,8 @@ def test_the_shipped_model_reads_needles_fresh_and_after_a_short_haystack(tmp_pa
 
 
 def test_the_reading_depends_on_the_carried_states():
-    config = niah_config()
-    model = trainable_model(config, seed=0).eval()
-    initial_weights(model, "k3-tiny-niah")
-    tokenizer = ByteTokenizer(config.vocab_size)
+    model = trained_niah_model("k3-tiny-niah")
+    tokenizer = ByteTokenizer(model.config.vocab_size)
     prompt = needle_prompt(1024, 50.0, 0, None)
     assert read_needle(model, tokenizer, prompt, None, 50.0, 0).digits_right == 7
     gen = torch.Generator().manual_seed(0)
