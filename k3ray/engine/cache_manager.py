@@ -6,7 +6,8 @@ block-aligned boundaries; a hit resumes at the longest prefix whose blocks are a
 whose snapshot was written. Snapshots are written every `snapshot_interval` blocks, at the
 prompt's last full block, and where a prompt leaves the cached blocks it shares with earlier
 prompts (its branch point, when that is at least a quarter interval past an interval boundary),
-so the next prompt that shares that prefix resumes there.
+so the next prompt that shares that prefix resumes there. The snapshot at the branch point, or at
+the interval boundary below a closer one, is protected as if it had served a hit.
 """
 
 from __future__ import annotations
@@ -141,17 +142,19 @@ class CacheManager:
             if b is None:
                 break
             blocks.append(b)
-        seq.branch_point = self._worth_a_snapshot(len(blocks) * self.block_size)
+        seq.branch_point = self._shared_boundary(len(blocks) * self.block_size)
         for n in range(len(blocks), 0, -1):
             slot = self.states.lookup(hashes[n - 1])
             if slot is not None:
                 return PrefixHit(blocks[:n], slot, n * self.block_size)
         return None
 
-    def _worth_a_snapshot(self, branch: int) -> int:
-        """`branch` if a snapshot there saves a later prompt at least a quarter interval over the interval
-        snapshot below it (a state slot is K3's whole KDA state, 414 MiB), else 0 (none)."""
-        return branch if branch % self.snapshot_stride >= max(1, self.snapshot_stride // 4) else 0
+    def _shared_boundary(self, branch: int) -> int:
+        """The snapshot boundary that keeps the prefix two prompts share: `branch` itself if that saves a
+        later prompt at least a quarter interval over the interval snapshot below it (a state slot is K3's
+        whole KDA state, 414 MiB), else that interval boundary (0: none)."""
+        past = branch % self.snapshot_stride
+        return branch if past >= max(1, self.snapshot_stride // 4) else branch - past
 
     def next_boundary(self, seq: Sequence, start: int) -> int | None:
         """The first snapshot boundary after `start`: a multiple of the stride, the prompt's branch

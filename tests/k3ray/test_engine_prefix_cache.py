@@ -188,6 +188,20 @@ def test_a_branch_point_just_past_an_interval_boundary_gets_no_snapshot(model):
     assert engine.cache.states.lookup(engine.cache.snapshot_key(engine_seq(engine, second), 72)) is None
     assert hits(engine) == 64
 
+def test_the_interval_snapshot_below_a_close_branch_point_outlasts_a_long_prompts_snapshots(model):
+    first = tokens(90, 29)
+    # one live slot, four spare (two of them may be protected), interval snapshots every 64 tokens; blocks for all
+    engine = make_engine(model, max_num_seqs=1, num_state_slots=5, snapshot_interval=8, num_blocks=128)
+    run(engine, first)
+    run(engine, tokens(300, 31))  # unrelated: five snapshots evict the first prompt's two
+    second = first[:75] + tokens(6, 30)  # branches at 72, under a quarter interval past 64: none to resume
+    run(engine, second)  # writes 64, the prefix two prompts share
+    run(engine, tokens(300, 32))
+    last = first[:75] + tokens(8, 33)
+    assert run(engine, last) == [cold(model, last)]
+    assert hits(engine) == 64
+
+
 def test_a_branch_point_snapshot_outlasts_a_long_prompts_snapshots(model):
     first = tokens(40, 25)
     engine = make_engine(model, max_num_seqs=1, num_state_slots=5, snapshot_interval=2)
