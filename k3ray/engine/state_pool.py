@@ -7,7 +7,10 @@ evicted whenever a slot is needed, except while `pinned` by a step that reads th
 segments (segmented LRU): those a hit has resumed from or written at a branch point (a prefix
 two prompts share) are `protected`, at most `max_protected` of them (the least recently used
 demoted past it), and go after every other, so one long prompt's run of snapshots cannot
-flush a shared prefix's.
+flush a shared prefix's. When the least recently used unprotected snapshot belongs to a run (the
+snapshots one sequence wrote along its prompt), the run gives up the one whose loss leaves the
+smallest gap instead, never its newest: a prompt longer than the slots keeps snapshots spread
+along it (the spacing doubling as it grows), not only those of its last stretch.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class StatePool:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # valid, unpinned, the rest; oldest first
         self.protected: OrderedDict[int, None] = OrderedDict()  # valid, unpinned, in `reused`; oldest first
         self.reused: set[int] = set()  # slots a completed hit resumed from or written at a branch point
+        self.placed: dict[int, tuple[object, int]] = {}  # snapshot slot -> (its run, its prefix length)
         self.pins: dict[int, int] = {}
 
     @property
@@ -44,10 +48,30 @@ class StatePool:
     def _take(self) -> int:
         if self.free:
             return self.free.pop()
-        slot, _ = (self.evictable or self.protected).popitem(last=False)
+        segment = self.evictable or self.protected
+        slot = next(iter(segment))
+        if segment is self.evictable:
+            slot = self._thinned(slot)
+        del segment[slot]
         self.reused.discard(slot)
+        self.placed.pop(slot, None)
         del self.valid[self.key_of.pop(slot)]
         return slot
+
+    def _thinned(self, oldest: int) -> int:
+        """The slot to evict in place of `oldest`: of oldest's run, the snapshot (not the newest)
+        whose loss leaves the smallest gap between its neighbours, the earliest on a tie."""
+        if oldest not in self.placed:
+            return oldest
+        run = self.placed[oldest][0]
+        positions = sorted((self.placed[s][1], s) for s in self.evictable
+                           if s in self.placed and self.placed[s][0] == run)
+        best, best_gap = oldest, None
+        for i, (_, slot) in enumerate(positions[:-1]):
+            gap = positions[i + 1][0] - (positions[i - 1][0] if i else 0)
+            if best_gap is None or gap < best_gap:
+                best, best_gap = slot, gap
+        return best
 
     def allocate(self, n: int) -> list[int]:
         assert n <= self.num_available, (n, self.num_available)
@@ -89,14 +113,17 @@ class StatePool:
             self.reused.discard(demoted)
             self.evictable[demoted] = None
 
-    def reserve_snapshot(self, key: bytes, shared: bool = False) -> int | None:
+    def reserve_snapshot(self, key: bytes, shared: bool = False, run: object = None, position: int = 0) -> int | None:
         """A slot the coming step will copy the state for `key` into, or None if none is spare.
-        `shared`: the prefix is known to be shared (a branch point), protected as if it had served a hit."""
+        `shared`: the prefix is known to be shared (a branch point), protected as if it had served a hit.
+        `run`, `position`: the sequence writing it and the prefix's length in tokens (for thinning)."""
         if self.has(key) or self.num_available == 0:
             return None
         slot = self._take()
         self.pending[key] = slot
         self.key_of[slot] = key
+        if run is not None:
+            self.placed[slot] = (run, position)
         if shared and self.max_protected:
             self.reused.add(slot)
         return slot
@@ -113,6 +140,7 @@ class StatePool:
         key = self.key_of.pop(slot)
         del self.pending[key]
         self.reused.discard(slot)
+        self.placed.pop(slot, None)
         self.free.append(slot)
 
     def clear_snapshots(self) -> None:
@@ -120,6 +148,7 @@ class StatePool:
         for slot in [*self.evictable, *self.protected]:
             del self.valid[self.key_of.pop(slot)]
             self.reused.discard(slot)
+            self.placed.pop(slot, None)
             self.free.append(slot)
         self.evictable.clear()
         self.protected.clear()

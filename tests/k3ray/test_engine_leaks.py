@@ -60,6 +60,7 @@ def check_accounting(engine):
     assert snapshots == set(states.evictable) | set(states.protected) | (snapshots & set(states.pins))
     assert not set(states.evictable) & set(states.protected) and not set(states.pins) & set(states.evictable)
     assert len(states.protected) <= states.max_protected and states.reused <= snapshots | set(states.pending.values())
+    assert set(states.placed) <= snapshots | set(states.pending.values())  # no run position outlives its snapshot
     assert len(cache.blocks.free) + len(cache.blocks.cached) + sum(r > 0 for r in refs) == cache.geometry.num_blocks
 
 

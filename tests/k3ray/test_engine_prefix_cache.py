@@ -228,6 +228,16 @@ def test_a_snapshot_that_served_a_hit_outlasts_a_long_prompts_snapshots(model):
     assert hits(engine) == 32
 
 
+def test_a_prompt_sharing_the_first_half_of_a_long_prompt_resumes_inside_it(model):
+    document = tokens(200, 40)
+    # one live slot, four spare, a snapshot every block: the document writes 25
+    engine = make_engine(model, max_num_seqs=1, num_state_slots=5, num_blocks=128)
+    run(engine, document)
+    second = document[:100] + tokens(9, 41)
+    assert run(engine, second) == [cold(model, second)]
+    assert hits(engine) == 56  # the document kept 56, 104, 192 and 200 (plain LRU: 176 to 200, no hit)
+
+
 def test_without_a_hit_snapshots_are_evicted_least_recently_used_first(model):
     engine = make_engine(model, max_num_seqs=1, num_state_slots=5)
     system = tokens(16, 20)

@@ -74,3 +74,20 @@ def test_a_snapshot_of_a_shared_prefix_is_protected_from_its_write_and_forgotten
     dropped = pool.reserve_snapshot(b"e", shared=True)  # evicts c
     pool.drop_snapshot(dropped)
     assert dropped not in pool.reused and held(pool) == [b"branch", b"d"]
+
+
+def test_a_run_longer_than_the_slots_keeps_its_snapshots_spread_and_its_newest():
+    pool = StatePool(4)
+    for position in range(1, 11):
+        pool.commit_snapshot(pool.reserve_snapshot(b"%d" % position, run="long", position=position))
+    # plain LRU would keep 7, 8, 9, 10; each eviction drops the snapshot whose gap it closes is smallest
+    assert sorted(int(k) for k in pool.valid) == [4, 7, 9, 10]
+
+
+def test_the_least_recently_used_run_gives_up_a_snapshot_first():
+    pool = StatePool(3)
+    for key, run, position in [(b"a1", "a", 1), (b"a2", "a", 2), (b"b1", "b", 1), (b"b2", "b", 2)]:
+        pool.commit_snapshot(pool.reserve_snapshot(key, run=run, position=position))
+    assert held(pool) == [b"a2", b"b1", b"b2"]  # a's older one, not its newest
+    pool.commit_snapshot(pool.reserve_snapshot(b"b3", run="b", position=3))
+    assert held(pool) == [b"b1", b"b2", b"b3"]  # a's last one: a run's newest goes only when it is alone
