@@ -6,6 +6,9 @@ prefix_ttft_ratio  TTFT of a prompt sharing `prefix_shared` of its tokens with a
 prefix_hit_tokens_after_scan  tokens of that shared prefix a prompt still resumes after it served
                    a hit and `prefix_scan_prompts` unrelated prompts then wrote twice as many
                    snapshots as the engine has spare slots (the prefix was `prefix_scan_shared`)
+prefix_hit_tokens_first_half  tokens a prompt sharing the first half (`prefix_half_shared`) of a
+                   prompt 4x `prefix_prompt_tokens` long resumes, when that prompt wrote four times
+                   as many snapshots as the engine has spare slots
 spec_speedup       plain over n-gram speculative wall time for repetitive text, and the draft
                    acceptance rate (the random tiny model never repeats itself, so this section
                    scales its attention outputs down until its greedy text loops: see config)
@@ -79,6 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "prefix" not in args.skip:
         result.update(bench_prefix(model, args))
         result.update(bench_prefix_scan(model, args))
+        result.update(bench_prefix_first_half(model, args))
     if "spec" not in args.skip:
         result.update(bench_spec(args))
     if "long" not in args.skip:
@@ -196,6 +200,23 @@ def bench_prefix_scan(model, args) -> dict[str, Any]:
     llm.generate([base[:shared] + prompts[2][shared:]], params)
     return {"prefix_hit_tokens_after_scan": llm.get_stats().prefix_cache_hits - before,
             "prefix_scan_shared": shared, "prefix_scan_prompts": PREFIX_SCAN_PROMPTS}
+
+
+def bench_prefix_first_half(model, args) -> dict[str, Any]:
+    """A prompt with four times as many snapshots as spare slots, then one sharing its first half:
+    how much of the half it resumes."""
+    from k3ray.engine import LLM, SamplingParams
+
+    n = 4 * args.prefix_prompt_tokens
+    snapshots = n // (args.snapshot_interval * args.block_size) + 1  # interval snapshots + the prompt end
+    llm = LLM(model, max_num_seqs=1, block_size=args.block_size, enforce_eager=args.enforce_eager,
+              num_blocks=3 * _blocks(n, args.block_size), max_num_batched_tokens=args.prefix_prompt_tokens,
+              snapshot_interval=args.snapshot_interval, num_snapshot_slots=max(1, snapshots // 4))
+    params = SamplingParams(temperature=0, max_tokens=1)
+    long, other = _prompts(2, n, 3)
+    llm.generate([long], params)
+    llm.generate([long[: n // 2] + other[n // 2 :]], params)
+    return {"prefix_hit_tokens_first_half": llm.get_stats().prefix_cache_hits, "prefix_half_shared": n // 2}
 
 
 def bench_spec(args) -> dict[str, Any]:
