@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence, Set
+from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -46,6 +46,14 @@ def match_depth(chain: Sequence[bytes], held: Set[bytes]) -> int:
     return 0
 
 
+def deepest_matches(chain: Sequence[bytes], held: Mapping[Hashable, Set[bytes]],
+                    replicas: Iterable[Hashable]) -> list[Hashable]:
+    """The replicas holding the longest leading part of `chain` (none if no replica holds any)."""
+    depth = {r: match_depth(chain, held.get(r, frozenset())) for r in replicas}
+    deepest = max(depth.values(), default=0)
+    return [r for r in depth if deepest and depth[r] == deepest]
+
+
 def pick_replica(chain: Sequence[bytes], held: Mapping[Hashable, Set[bytes]], queue: Mapping[Hashable, int],
                  capacity: Mapping[Hashable, int], max_imbalance: int, rng: random.Random = random) -> Hashable:
     """The replica for a request whose block chain is `chain`: the longest match unless it is full
@@ -59,9 +67,7 @@ def pick_replica(chain: Sequence[bytes], held: Mapping[Hashable, Set[bytes]], qu
     def free(r) -> bool:
         return (queue[r] < capacity[r] or not room) and queue[r] - least <= max_imbalance
 
-    depth = {r: match_depth(chain, held.get(r, frozenset())) for r in queue}
-    deepest = max(depth.values())
-    affine = [r for r in queue if deepest and depth[r] == deepest and free(r)]
+    affine = [r for r in deepest_matches(chain, held, queue) if free(r)]
     pool = affine or list(queue)
     return min(pool, key=lambda r: (queue[r], len(held.get(r, ())), rng.random()))
 
@@ -72,9 +78,7 @@ def probe_targets(chain: Sequence[bytes], held: Mapping[Hashable, Set[bytes]], r
     those with the deepest match (by chance among them) and PROBE_OTHERS of the rest (by chance)."""
     if len(replicas) <= PROBE_ALL:
         return list(replicas)
-    depth = {r: match_depth(chain, held.get(r, frozenset())) for r in replicas}
-    deepest = max(depth.values())
-    matched = [r for r in replicas if deepest and depth[r] == deepest]
+    matched = deepest_matches(chain, held, replicas)
     picked = rng.sample(matched, min(MATCH_PROBES, len(matched)))
     others = [r for r in replicas if r not in picked]
     return picked + rng.sample(others, min(PROBE_OTHERS, len(others)))
