@@ -178,13 +178,17 @@ def bench_prefix(model, args) -> dict[str, Any]:
             "prefix_hit_tokens": (llm.get_stats().prefix_cache_hits - hits) // PREFIX_REPEATS}
 
 
+def _snapshots_per_prompt(tokens: int, args) -> int:
+    return tokens // (args.snapshot_interval * args.block_size) + 1  # interval snapshots + the prompt end
+
+
 def bench_prefix_scan(model, args) -> dict[str, Any]:
     """A shared prefix that served a hit, then unrelated prompts whose snapshots overflow the spare
     slots twice over: how much of the prefix the next prompt sharing it resumes."""
     from k3ray.engine import LLM, SamplingParams
 
     n, shared = args.prefix_prompt_tokens, int(args.prefix_prompt_tokens * args.prefix_shared)
-    per_prompt = n // (args.snapshot_interval * args.block_size) + 1  # interval snapshots + the prompt end
+    per_prompt = _snapshots_per_prompt(n, args)
     spare = PREFIX_SCAN_PROMPTS * per_prompt // 2
     llm = LLM(model, max_num_seqs=1, block_size=args.block_size, enforce_eager=args.enforce_eager,
               num_blocks=(PREFIX_SCAN_PROMPTS + 4) * _blocks(n, args.block_size),
@@ -208,7 +212,7 @@ def bench_prefix_first_half(model, args) -> dict[str, Any]:
     from k3ray.engine import LLM, SamplingParams
 
     n = 4 * args.prefix_prompt_tokens
-    snapshots = n // (args.snapshot_interval * args.block_size) + 1  # interval snapshots + the prompt end
+    snapshots = _snapshots_per_prompt(n, args)
     llm = LLM(model, max_num_seqs=1, block_size=args.block_size, enforce_eager=args.enforce_eager,
               num_blocks=3 * _blocks(n, args.block_size), max_num_batched_tokens=args.prefix_prompt_tokens,
               snapshot_interval=args.snapshot_interval, num_snapshot_slots=max(1, snapshots // 4))

@@ -133,7 +133,7 @@ class CacheManager:
 
     def find_prefix(self, seq: Sequence) -> PrefixHit | None:
         """The longest cached prefix (leaving at least one token to compute) with a written snapshot.
-        Where seq's cached blocks end becomes seq's branch point, if a snapshot there is worth its slot."""
+        Where seq's cached blocks end (its branch point) sets seq's shared boundary (_shared_boundary)."""
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(seq, max_blocks)
         blocks = []
@@ -142,7 +142,7 @@ class CacheManager:
             if b is None:
                 break
             blocks.append(b)
-        seq.branch_point = self._shared_boundary(len(blocks) * self.block_size)
+        seq.shared_boundary = self._shared_boundary(len(blocks) * self.block_size)
         for n in range(len(blocks), 0, -1):
             slot = self.states.lookup(hashes[n - 1])
             if slot is not None:
@@ -157,13 +157,13 @@ class CacheManager:
         return branch if past >= max(1, self.snapshot_stride // 4) else branch - past
 
     def next_boundary(self, seq: Sequence, start: int) -> int | None:
-        """The first snapshot boundary after `start`: a multiple of the stride, the prompt's branch
-        point or its last full block."""
+        """The first snapshot boundary after `start`: a multiple of the stride, the prompt's shared
+        boundary or its last full block."""
         if not self.enable_prefix_caching:
             return None
         stride = (start // self.snapshot_stride + 1) * self.snapshot_stride
         prompt_end = seq.prompt_len // self.block_size * self.block_size
-        return min([b for b in (seq.branch_point, prompt_end) if start < b < stride], default=stride)
+        return min([b for b in (seq.shared_boundary, prompt_end) if start < b < stride], default=stride)
 
     def snapshot_key(self, seq: Sequence, boundary: int) -> bytes:
         return self.block_hashes(seq, boundary // self.block_size)[-1]

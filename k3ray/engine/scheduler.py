@@ -277,7 +277,7 @@ class Scheduler:
         cache = self.cache
         if cache.next_boundary(sc.seq, sc.end - 1) != sc.end:
             return
-        shared = sc.end == sc.seq.branch_point  # two prompts share this prefix already
+        shared = sc.end == sc.seq.shared_boundary  # two prompts share this prefix already
         slot = cache.states.reserve_snapshot(cache.snapshot_key(sc.seq, sc.end), shared, sc.seq.seq_id, sc.end)
         if slot is not None:
             out.post_copies.append((sc.seq.state_slot, slot))

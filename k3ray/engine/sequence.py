@@ -50,7 +50,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
-        self.branch_point = 0  # its shared prefix's snapshot boundary at its last lookup (CacheManager)
+        self.shared_boundary = 0  # its shared prefix's snapshot boundary at its last lookup (CacheManager)
 
     @property
     def num_tokens(self) -> int:

@@ -80,7 +80,7 @@ def test_a_run_longer_than_the_slots_keeps_its_snapshots_spread_and_its_newest()
     pool = StatePool(4)
     for position in range(1, 11):
         pool.commit_snapshot(pool.reserve_snapshot(b"%d" % position, run="long", position=position))
-    # plain LRU would keep 7, 8, 9, 10; each eviction drops the snapshot whose gap it closes is smallest
+    # plain LRU would keep 7, 8, 9, 10; each eviction drops the snapshot whose loss leaves the smallest gap
     assert sorted(int(k) for k in pool.valid) == [4, 7, 9, 10]
 
 
