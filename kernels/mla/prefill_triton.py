@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3ray.kernels.mla.launch_triton import MIN_DOT, dot_args, pow2_at_least
+from k3ray.kernels.mla.launch_triton import MIN_DOT, pow2_at_least
+from k3ray.kernels.triton_dots import dot_args
 
 BLOCK_M = 64
 BLOCK_N = 64

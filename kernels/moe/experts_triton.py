@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from k3ray.kernels.moe.mxfp4 import GROUP
+from k3ray.kernels.triton_dots import dot_args
 
 BLOCK_N = 64
 BLOCK_K = 2 * GROUP  # whole MXFP4 scale groups per K step
@@ -185,7 +186,7 @@ def moe_experts_triton(
     E, I = w1.shape[0], w1.shape[1]
     h = h.contiguous()
     y = torch.zeros(T, Dl, dtype=torch.float32, device=h.device)
-    dot = {"DOT_F32": h.device.type != "cuda", "DOT_PREC": "ieee" if h.dtype == torch.float32 else "tf32"}
+    dot = dot_args(h)
     block_m = 16 if T * top_k < 32 * E else 64  # few rows per expert (decode): small tiles
     for t0 in range(0, T, MAX_CHUNK_TOKENS):
         t1 = min(T, t0 + MAX_CHUNK_TOKENS)
