@@ -11,6 +11,9 @@ import triton.language as tl
 
 from k3ray.kernels.kda.varlen import chunk_layout
 
+PREFILL_BT = 16  # tokens per prefill program
+TILE = 256  # tokens x channels per decode / verification program (at least 128 channels)
+
 
 @triton.jit
 def _conv_inputs(x, b_init, bos, L, o_r, o_d, m_d, D, W1: tl.constexpr, BW: tl.constexpr):
@@ -83,14 +86,15 @@ def _launch(x, weight, y, cu, state_in, initial_idx, state_out, out_idx, whole_s
     D, W = weight.shape
     assert W >= 2, f"conv width must be >= 2, got {W}"
     assert state_in.stride(-1) == 1 and state_out.stride(-1) == 1, "conv states must be contiguous in the window dim"
-    BT = 16
-    if whole_seq:
+    if whole_seq:  # decode / verification: a few tokens a sequence (out_idx [N, tokens]), wider channel blocks
         N = cu.numel() - 1
         seqs = torch.arange(N, device=x.device)
         block_indices = torch.stack([seqs, torch.zeros_like(seqs)], 1)  # one program per sequence
+        BT = min(PREFILL_BT, triton.next_power_of_2(out_idx.shape[1] if out_idx.dim() == 2 else 1))
     else:
+        BT = PREFILL_BT
         block_indices = chunk_layout(cu, BT).chunk_indices
-    BD = min(128, triton.next_power_of_2(D))
+    BD = min(max(128, TILE // BT) if whole_seq else 128, triton.next_power_of_2(D))
     grid = (triton.cdiv(D, BD), block_indices.shape[0])
     if grid[1] == 0:
         return

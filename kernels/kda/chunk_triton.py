@@ -11,11 +11,19 @@ from k3ray.kernels.kda.chunk_inter_triton import chunk_kda_fwd_kernel_o, chunk_k
 from k3ray.kernels.kda.chunk_intra_triton import chunk_kda_fwd_kernel_intra
 from k3ray.kernels.kda.varlen import chunk_layout
 
-# tf32x3 keeps fp32 accuracy on tensor cores; launch settings were picked from ptxas
-# register / spill reports for sm_90 at K = V = 128 (no spills, or a few hundred bytes in phase 2)
+# launch settings from sm_90 compiles at K = V = 128 (`k3ray bench compile`): bf16 inputs compile
+# without spills; fp32 inputs spill in the state recurrence (tf32x3 splits every operand in two)
 INTRA = dict(DOT="tf32x3", num_warps=8, num_stages=1)
-STATE = dict(DOT="tf32x3", num_warps=4, num_stages=1)
-OUTPUT = dict(DOT="ieee", num_warps=8, num_stages=1)
+STATE = dict(BV=16, num_warps=4, num_stages=1)
+OUTPUT = dict(DOT="tf32x3", num_warps=8, num_stages=1)
+OUTPUT_TILE = 64  # the output kernel's BK and BV
+
+
+def state_dot_precision(dtype: torch.dtype) -> str:
+    """The state recurrence's products: tf32x3 (fp32-accurate) for fp32 inputs; single TF32 for
+    bf16 / fp16 inputs, finer than the inputs (fla-core multiplies these tiles in bf16), which
+    leaves the output's error unchanged (tests/kernels/test_kda_precision.py)."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def chunk_kda_triton(
@@ -42,7 +50,6 @@ def chunk_kda_triton(
     BK_intra = min(32, max(16, triton.next_power_of_2(K)))  # several [64, BK] fp32 tiles live at once
     BV_intra = min(32, max(16, triton.next_power_of_2(V)))
     BK = max(16, triton.next_power_of_2(K))
-    BV = 16
     f32 = dict(dtype=torch.float32, device=q.device)
 
     G = torch.empty(T, H, K, **f32)
@@ -59,14 +66,16 @@ def chunk_kda_triton(
     final = torch.empty(N, H, K, V, **f32)
     if N:
         init = initial_state.float().contiguous() if initial_state is not None else final
-        chunk_kda_fwd_kernel_state[(triton.cdiv(V, BV), N * H)](
+        chunk_kda_fwd_kernel_state[(triton.cdiv(V, STATE["BV"]), N * H)](
             k, G, W, U, v_new, h, init, final, cu, lay.chunk_offsets,
-            H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_INITIAL_STATE=initial_state is not None, **STATE,
+            H=H, K=K, V=V, BT=BT, BK=BK, USE_INITIAL_STATE=initial_state is not None,
+            DOT=state_dot_precision(q.dtype), **STATE,
         )
     o = torch.empty_like(v)
     if NC:
-        chunk_kda_fwd_kernel_o[(triton.cdiv(V, BV), NC, H)](
+        BK_o, BV_o = min(OUTPUT_TILE, BK), min(OUTPUT_TILE, max(16, triton.next_power_of_2(V)))
+        chunk_kda_fwd_kernel_o[(triton.cdiv(V, BV_o), NC, H)](
             q, G, h, Aqk, v_new, o, cu, lay.chunk_indices.contiguous(), scale,
-            H=H, K=K, V=V, BT=BT, BK=BK_intra, BV=BV, **OUTPUT,
+            H=H, K=K, V=V, BT=BT, BK=BK_o, BV=BV_o, **OUTPUT,
         )
     return o, final

@@ -11,9 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from k3ray.kernels.mla.launch_triton import dot_args, pow2_at_least
+from k3ray.kernels.mla.launch_triton import pow2_at_least
+from k3ray.kernels.triton_dots import dot_args
 
-BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows)
+BLOCK_H = 32  # heads per program: the latent pages are read once per 32 heads (tl.dot needs >= 16)
 BLOCK_N = 32  # context tokens per inner step
 MAX_SPLITS = 128
 TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
@@ -104,9 +105,12 @@ def mla_decode_fwd_kernel_combine(
     tl.store(out + i_n64 * stride_on + i_h * stride_oh + o_l, b_o.to(out.dtype.element_ty), mask=m_l)
 
 
-def default_num_splits(num_seqs: int, num_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough splits to fill the GPU without making any split shorter than TOKENS_PER_SPLIT."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def default_num_splits(num_seqs: int, num_heads: int, max_context: int, sms: int) -> int:
+    """Enough splits to fill `sms` multiprocessors without making any split shorter than TOKENS_PER_SPLIT."""
     programs = num_seqs * triton.cdiv(num_heads, BLOCK_H)
     by_occupancy = triton.cdiv(2 * sms, programs)
     by_length = triton.cdiv(max_context, TOKENS_PER_SPLIT)
@@ -139,7 +143,7 @@ def mla_decode_triton(
     if N == 0:
         return out
     if num_splits is None:
-        num_splits = default_num_splits(N, H, block_tables.shape[1] * block_size, q.device)
+        num_splits = default_num_splits(N, H, block_tables.shape[1] * block_size, multiprocessors(q.device))
     BL, BR = pow2_at_least(L), pow2_at_least(R)
     direct = num_splits == 1
     o_part = out if direct else torch.empty(N, H, num_splits, L, dtype=torch.float32, device=q.device)

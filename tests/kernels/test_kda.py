@@ -3,17 +3,12 @@ the gpu marker) and the vectorised CPU paths, at small odd shapes over packed se
 
 import pytest
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from k3ray.kernels.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_spec
 from k3ray.kernels.kda.chunk_cpu import chunk_kda_cpu, safe_subchunk
-from k3ray.kernels.kda.chunk_inter_triton import chunk_kda_fwd_kernel_o, chunk_kda_fwd_kernel_state
-from k3ray.kernels.kda.chunk_intra_triton import chunk_kda_fwd_kernel_intra
-from k3ray.kernels.kda.chunk_triton import INTRA, OUTPUT, STATE, chunk_kda_triton
+from k3ray.kernels.kda.chunk_triton import chunk_kda_triton
 from k3ray.kernels.kda.fused_recurrent_cpu import fused_recurrent_kda_cpu
-from k3ray.kernels.kda.fused_recurrent_triton import fused_recurrent_kda_fwd_kernel, fused_recurrent_kda_triton
+from k3ray.kernels.kda.fused_recurrent_triton import fused_recurrent_kda_triton
 from k3ray.kernels.kda.naive import kda_gate, l2norm, naive_chunk_kda, naive_recurrent_kda, naive_recurrent_kda_spec
 from k3ray.testing import assert_close
 
@@ -158,50 +153,6 @@ def test_dispatchers_run_the_cpu_paths_and_validate():
         fused_recurrent_kda(q[:2], k[:2], v[:2], g[:2], beta[:2], 0.25, pool.double(), torch.tensor([3, 1]))
     with pytest.raises(ValueError, match="out_slots"):
         fused_recurrent_kda_spec(q, k, v, g, beta, 0.25, pool, torch.tensor([0, 1]), cu, torch.zeros(2, 3, dtype=torch.long))
-
-
-def _compile_sm90(kernel, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict, **options) -> bytes:
-    """Compile a @triton.jit kernel for sm_90 without a GPU (triton ships ptxas) -> cubin."""
-    names = kernel.arg_names
-    signature = {n: "*" + pointers[n] if n in pointers else scalars.get(n, "constexpr") for n in names}
-    src = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
-
-
-def compile_kernels_for_sm90() -> None:
-    """Every KDA kernel at K3's head shape with the launch settings chunk_triton.py uses (run without
-    TRITON_INTERPRET: the interpreter patches triton.language and breaks real compiles)."""
-    bf16, f32, i64 = "bf16", "fp32", "i64"
-    k3 = dict(H=96, K=128, V=128)
-    _compile_sm90(
-        fused_recurrent_kda_fwd_kernel,
-        dict(q=bf16, k=bf16, v=bf16, g=f32, beta=f32, o=bf16, state_pool=f32, initial_slots=i64, cu_seqlens=i64, out_slots=i64),
-        dict(stride_out_slots="i32", scale="fp32"), dict(**k3, BK=128, BV=32),
-    )
-    split = lambda cfg: ({"DOT": cfg["DOT"]}, {k: v for k, v in cfg.items() if k != "DOT"})  # noqa: E731
-    const, opts = split(INTRA)
-    _compile_sm90(
-        chunk_kda_fwd_kernel_intra,
-        dict(q=bf16, k=bf16, v=bf16, g=f32, beta=f32, G_out=f32, W_out=f32, U_out=f32, Aqk_out=f32, cu_seqlens=i64, chunk_indices=i64),
-        dict(scale="fp32"), dict(**k3, BT=64, BC=16, BK=32, BV=32, **const), **opts,
-    )
-    const, opts = split(STATE)
-    _compile_sm90(
-        chunk_kda_fwd_kernel_state,
-        dict(k=bf16, G=f32, W=f32, U=f32, v_new=f32, h=f32, initial_state=f32, final_state=f32, cu_seqlens=i64, chunk_offsets=i64),
-        {}, dict(**k3, BT=64, BK=128, BV=16, USE_INITIAL_STATE=True, **const), **opts,
-    )
-    const, opts = split(OUTPUT)
-    _compile_sm90(
-        chunk_kda_fwd_kernel_o,
-        dict(q=bf16, G=f32, h=f32, Aqk=f32, v_new=f32, o=bf16, cu_seqlens=i64, chunk_indices=i64),
-        dict(scale="fp32"), dict(**k3, BT=64, BK=32, BV=16, **const), **opts,
-    )
-
-
-def test_kernels_compile_for_sm90_at_k3_shapes(compile_for_sm90):
-    """The interpreter skips Triton's type and layout checks; a real compile (no GPU needed) catches them."""
-    compile_for_sm90(__file__)
 
 
 @pytest.mark.gpu
