@@ -25,6 +25,7 @@ SKIPPED = {  # the start of a command -> why it does not run here
     "python3 -m venv": "the install itself: this test runs inside it",
     "pytest": "the whole test suite, which this test is part of",
     "k3ray serve --address auto": "needs a GPU cluster holding the published checkpoint",
+    "k3ray bench compile": "needs TRITON_INTERPRET unset, which this suite sets; tests/kernels/test_offline_compile.py runs it",
 }
 SLOW = ("k3ray bench kernels", "k3ray bench engine", "k3ray bench cluster", "k3ray bench serve")
 
