@@ -11,7 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_D = 1024
+BLOCK_D = 1024  # channels a program step when there are few token rows (decode): wide steps, 8 warps
+# many rows (prefill): 256-channel steps at 4 warps take 56 registers at R = 9 (1024 at 8 warps: 145),
+# so 9 programs share a multiprocessor instead of 1 and keep ~5x the bytes in flight
+MANY_ROWS, BLOCK_D_MANY_ROWS = 512, 256
 
 
 @triton.jit
@@ -77,11 +80,14 @@ def attn_res_rmsnorm_triton(
     h, y = out if out is not None else (v.new_empty(T, D), v.new_empty(T, D, dtype=y_dtype) if norm else None)
     if T == 0:
         return h, y
+    many = T >= MANY_ROWS
+    block_d = BLOCK_D_MANY_ROWS if many else BLOCK_D
+    num_warps = 4 if many or D < 4096 else 8
     attn_res_fwd_kernel[(T,)](
         v, proj_weight.reshape(-1), res_norm_weight, out_norm_weight if norm else res_norm_weight, h,
         y if norm else h, D, R, eps,
         v.stride(0), v.stride(1), h.stride(0), y.stride(0) if norm else 0,
-        BR=max(2, triton.next_power_of_2(R)), BD=min(BLOCK_D, triton.next_power_of_2(D)), NORM=norm,
-        num_warps=8 if D >= 4096 else 4,
+        BR=max(2, triton.next_power_of_2(R)), BD=min(block_d, triton.next_power_of_2(D)), NORM=norm,
+        num_warps=num_warps,
     )
     return h, y

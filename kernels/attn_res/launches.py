@@ -21,4 +21,4 @@ def _case(T: int, R: int) -> dict[str, Any]:
 
 
 def launches() -> list[dict[str, Any]]:
-    return [_case(8192, 9), _case(64, 2)]
+    return [_case(8192, 9), _case(64, 9), _case(64, 2)]

@@ -7,7 +7,7 @@ import torch
 
 from k3ray.kernels.attn_res import attn_res, attn_res_rmsnorm
 from k3ray.kernels.attn_res.attn_res_cpu import attn_res_rmsnorm_cpu
-from k3ray.kernels.attn_res.attn_res_triton import attn_res_rmsnorm_triton
+from k3ray.kernels.attn_res.attn_res_triton import MANY_ROWS, attn_res_rmsnorm_triton
 from k3ray.kernels.attn_res.naive import naive_attn_res, naive_attn_res_rmsnorm
 from k3ray.testing import assert_close
 
@@ -50,6 +50,16 @@ def test_triton_matches_naive(dtype, R):
     assert h.data_ptr() == out[0].data_ptr() and y.data_ptr() == out[1].data_ptr()
     assert_close("aggregated", ref_h, h, _tol(dtype))
     assert_close("normed", ref_y, y, _tol(dtype))
+
+
+def test_triton_many_rows_matches_naive():
+    """A prefill-sized batch takes the narrow 256-channel steps (MANY_ROWS); D = 600 ends in a partial one."""
+    T, R, D = MANY_ROWS, 9, 600
+    sources, proj, res_w, out_w = _inputs(T, R, D, torch.float32, seed=1)
+    ref_h, ref_y = naive_attn_res_rmsnorm(sources, proj, res_w, out_w, EPS)
+    h, y = attn_res_rmsnorm_triton(sources, proj, res_w, out_w, EPS)
+    assert_close("aggregated", ref_h, h, TOL_FP32)
+    assert_close("normed", ref_y, y, TOL_FP32)
 
 
 def test_triton_without_norm_matches_naive():
