@@ -49,7 +49,7 @@ CLASSES = {
     "global_load": ("LDG", "LDGSTS", "UTMALDG"),
     "global_store": ("STG", "UTMASTG"),
     "atomic": ("RED", "ATOM", "ATOMG", "REDG"),
-    "shared": ("LDS", "STS", "LDSM", "STSM"),
+    "shared_access": ("LDS", "STS", "LDSM", "STSM"),
     "spill_store": ("STL",),
     "spill_load": ("LDL",),
 }
@@ -140,7 +140,8 @@ def _constexpr_summary(launch: Launch) -> dict[str, Any]:
 
 
 def profile_launches(fn: Callable[[], Any], arch: int = 90, gpu: GpuLimits = H200) -> list[dict[str, Any]]:
-    """Run fn (a launcher on CPU tensors) with launches recorded; one row per distinct compiled kernel."""
+    """Run fn (a launcher on CPU tensors) with launches recorded; one row per distinct compiled kernel.
+    waves: the launch's programs over what the GPU holds at once (multiprocessors x resident blocks)."""
     with recording_launches() as launches:
         fn()
     rows, seen = [], set()

@@ -16,7 +16,6 @@ from k3ray.bench.common import machine
 from k3ray.bench.kernels import OP_MODULES
 
 HELP = "Triton kernels compiled for sm_90 at K3 shapes without a GPU: registers, spills, shared memory, MMA use"
-SUMMARY_KEYS = ("spill_store", "spill_load")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
