@@ -8,7 +8,7 @@ import pytest
 from k3ray.cli import build_parser, main, registry
 
 COMMANDS = {"bench", "eval", "generate", "info", "plan", "serve"}
-BENCHMARKS = {"cluster", "engine", "kernels", "layer", "model", "serve", "soak"}
+BENCHMARKS = {"cluster", "compile", "engine", "kernels", "layer", "model", "serve", "soak"}
 
 
 def test_registries_list_every_command_and_benchmark():
