@@ -1,6 +1,9 @@
 """`k3ray bench engine`: what the engine adds on top of the model, on a tiny K3 in this process.
 
 batching_speedup   generated tokens/s with `concurrency` requests in flight vs one at a time
+host_ms_per_step   in that concurrent run, the engine's own milliseconds per step: scheduling, plans,
+                   sampling, outputs, i.e. everything but the executor's forward (synchronised on
+                   CUDA); a synchronous engine adds it to every decode step's forward
 prefix_ttft_ratio  TTFT of a prompt sharing `prefix_shared` of its tokens with a cached one, over
                    TTFT of an unrelated prompt of the same length (both on a warm engine)
 prefix_hit_tokens_after_scan  tokens of that shared prefix a prompt still resumes after it served
@@ -21,10 +24,11 @@ engine_vs_forward_decode, cuda_graphs_speedup (CUDA only) engine decode tok/s at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 
@@ -116,15 +120,43 @@ def bench_batching(model, args) -> dict[str, Any]:
               num_blocks=args.concurrency * _blocks(per_seq, args.block_size), enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=args.batch_max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], params)  # warm-up
-    t0 = time.perf_counter()
-    llm.generate(prompts, params)
-    concurrent = args.concurrency * args.batch_max_tokens / (time.perf_counter() - t0)
+    with _forward_seconds(llm) as forwards:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+    concurrent = args.concurrency * args.batch_max_tokens / wall
     t0 = time.perf_counter()
     for p in prompts[: args.sequential]:
         llm.generate([p], params)
     sequential = args.sequential * args.batch_max_tokens / (time.perf_counter() - t0)
     return {"batching_tokens_per_s": concurrent, "sequential_tokens_per_s": sequential,
-            "batching_speedup": concurrent / sequential}
+            "batching_speedup": concurrent / sequential,
+            "host_ms_per_step": (wall - sum(forwards)) / len(forwards) * 1e3,
+            "forward_ms_per_step": sum(forwards) / len(forwards) * 1e3}
+
+
+@contextlib.contextmanager
+def _forward_seconds(llm) -> Iterator[list[float]]:
+    """Within the block, the seconds of each executor.execute call (the forward), synchronised on CUDA."""
+    import torch
+
+    executor = llm.engine.executor
+    execute = executor.execute
+    seconds: list[float] = []
+
+    def timed(plan):
+        t0 = time.perf_counter()
+        logits = execute(plan)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        seconds.append(time.perf_counter() - t0)
+        return logits
+
+    executor.execute = timed
+    try:
+        yield seconds
+    finally:
+        del executor.execute  # the class's method again
 
 
 def bench_graphs(model, args) -> dict[str, Any]:

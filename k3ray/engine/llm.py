@@ -157,9 +157,8 @@ class LLM:
         finals: dict[str, RequestOutput] = {}
         try:
             while len(finals) < len(requests):
-                for out in self.engine.step():
-                    if out.finished:
-                        finals[out.request_id] = out
+                for out in self.engine.step(finished_only=True):
+                    finals[out.request_id] = out
         except BaseException:
             for request in requests:
                 self.engine.abort_request(request.request_id)

@@ -200,7 +200,9 @@ class LLMEngine:
         return bool(self.requests)
 
     # stepping ---------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step -> the outputs of the requests it advanced (with finished_only, of those it
+        finished: what a caller that keeps only final outputs needs, without building the rest)."""
         out = self.scheduler.schedule()
         if not out.seqs:
             # the oldest running sequence can always preempt the rest, so work means progress
@@ -217,7 +219,7 @@ class LLMEngine:
         processed = self._process(out, logits)
         self.scheduler.commit(out, processed)
         self.stats.num_steps += 1
-        return self._outputs(out)
+        return self._outputs(out, finished_only)
 
     def _encode_media(self, out: SchedulerOutput) -> None:
         """Encode (once per request, in one call per step) the media this step's chunks reach."""
@@ -312,7 +314,7 @@ class LLMEngine:
         targets = request.prompt_token_ids[first : stop + 1]
         request.prompt_logprobs += logprob_entries(rows[skip : skip + len(targets)], targets, request.params.prompt_logprobs)
 
-    def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
+    def _outputs(self, out: SchedulerOutput, finished_only: bool = False) -> list[RequestOutput]:
         touched: dict[str, Request] = {}
         for sc in out.seqs:
             if sc.num_new_tokens or sc.seq.finished:
@@ -320,11 +322,13 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         for rid, request in touched.items():
-            if request.finished and rid in self.requests:
+            finished = request.finished
+            if finished and rid in self.requests:
                 request.metrics.finished_time = now
                 del self.requests[rid]
                 self.stats.finished(request.metrics, max(s.num_output_tokens for s in request.seqs))
-            outputs.append(request.output())
+            if finished or not finished_only:
+                outputs.append(request.output())
         return outputs
 
     # metrics ----------------------------------------------------------------------------------

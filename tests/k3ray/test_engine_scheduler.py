@@ -8,6 +8,7 @@ from k3ray.api import K3
 from k3ray.config import preset
 from k3ray.engine import LLM, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.engine.config import EngineConfig
+from k3ray.engine.plan import pad_block_tables
 from k3ray.models.init import build_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -164,3 +165,26 @@ def test_cache_accounting_is_exact(model):
     # the first chunk stops at the prompt's last full block (a snapshot boundary): 24 tokens, 3 blocks
     assert usage["state_slots_live"] == 4 and usage["blocks_used"] == 3 and usage["state_slots_snapshot"] == 1
     assert usage["bytes_used"] == 5 * usage["state_slot_bytes"] + 3 * usage["block_bytes"]
+
+
+def test_finished_only_steps_return_the_same_final_outputs(model):
+    """step(finished_only=True) (what LLM.generate asks for) skips the unfinished requests' outputs
+    and nothing else: the finals equal those of plain steps."""
+    prompts = random_prompts([5, 9, 2], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = run(LLMEngine(LocalExecutor(model), EngineConfig(num_blocks=64, block_size=4)), prompts, params)
+    engine = LLMEngine(LocalExecutor(model), EngineConfig(num_blocks=64, block_size=4))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += engine.step(finished_only=True)
+    assert all(o.finished for o in seen) and sorted(o.request_id for o in seen) == ["0", "1", "2"]
+    finals = {o.request_id: o for o in seen}
+    assert token_ids([finals[str(i)] for i in range(3)]) == token_ids(plain)
+
+
+def test_block_tables_pad_with_zeros():
+    tables = pad_block_tables([[3, 1], [], [7, 8, 9]])
+    assert tables.dtype == torch.int32 and tables.tolist() == [[3, 1, 0], [0, 0, 0], [7, 8, 9]]
+    assert pad_block_tables([[]]).shape == (1, 1) and pad_block_tables([]).shape == (0, 1)
