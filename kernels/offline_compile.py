@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import os
 import re
 import subprocess
@@ -154,9 +155,7 @@ def profile_launches(fn: Callable[[], Any], arch: int = 90, gpu: GpuLimits = H20
         prof = cubin_profile(compiled.asm["cubin"])
         shared = int(meta.shared) + prof["static_shared_bytes"]
         blocks = blocks_per_multiprocessor(prof["registers"], meta.num_warps, shared, gpu)
-        programs = 1
-        for g in launch.grid:
-            programs *= g
+        programs = math.prod(launch.grid)
         rows.append({
             "kernel": launch.kernel.__name__,
             "grid": list(launch.grid),

@@ -13,6 +13,8 @@ import torch
 from k3ray.kernels.attn_res.dispatch import attn_res_rmsnorm
 from k3ray.kernels.attn_res.naive import naive_attn_res_rmsnorm
 
+K3_HIDDEN = 7168
+
 
 def _case(T: int, R: int, D: int, device: str, label: str, naive: bool = False) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
@@ -35,9 +37,9 @@ def _case(T: int, R: int, D: int, device: str, label: str, naive: bool = False) 
 def cases(device: str, quick: bool) -> list[dict[str, Any]]:
     cuda = device.startswith("cuda")
     T = (8192 if cuda else 64) // (4 if quick else 1)
-    out = [_case(16, 3, 64, device, "k3-tiny"), _case(T, 9, 7168, device, "k3")]
+    out = [_case(16, 3, 64, device, "k3-tiny"), _case(T, 9, K3_HIDDEN, device, "k3")]
     if not quick:
-        out.append(_case(T, 2, 7168, device, "k3"))  # the shallow layers: two sources
+        out.append(_case(T, 2, K3_HIDDEN, device, "k3"))  # the shallow layers: two sources
     if not cuda:
-        out.append(_case(T, 9, 7168, device, "k3", naive=True))
+        out.append(_case(T, 9, K3_HIDDEN, device, "k3", naive=True))
     return out

@@ -22,7 +22,7 @@ OUTPUT_TILE = 64  # the output kernel's BK and BV
 def state_dot_precision(dtype: torch.dtype) -> str:
     """The state recurrence's products: tf32x3 (fp32-accurate) for fp32 inputs; single TF32 for
     bf16 / fp16 inputs, finer than the inputs (fla-core multiplies these tiles in bf16), which
-    leaves the output's error unchanged (tests/kernels/test_kda_precision.py)."""
+    leaves the output's error unchanged (tests/kernels/test_kda_triton_precision.py)."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 

@@ -11,8 +11,7 @@ import torch
 from k3ray.kernels.mla.bench import BLOCK, K3
 from k3ray.kernels.mla.decode_triton import default_num_splits, mla_decode_triton
 from k3ray.kernels.mla.prefill_triton import mla_prefill_triton
-
-H200_SMS = 132
+from k3ray.kernels.offline_compile import H200
 
 
 def _decode(N: int, ctx: int):
@@ -21,7 +20,7 @@ def _decode(N: int, ctx: int):
     cache = torch.empty(blocks * BLOCK, D, dtype=torch.bfloat16)  # never touched
     table = torch.arange(blocks, dtype=torch.int32).view(N, -1)
     q = torch.zeros(N, H, D, dtype=torch.bfloat16)
-    splits = default_num_splits(N, H, ctx, H200_SMS)
+    splits = default_num_splits(N, H, ctx, H200.multiprocessors)
     return {"op": "mla_decode", "shape": f"k3 N={N} H={H} ctx={ctx} latent={D} splits={splits}",
             "fn": lambda: mla_decode_triton(q, cache, table, torch.full((N,), ctx), BLOCK, L, 192**-0.5,
                                             num_splits=splits)}
