@@ -38,7 +38,7 @@ class MetricsListener:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if self.path.split("?")[0] != "/metrics":
+                if not self.path.split("?")[0].endswith("/metrics"):  # `<route prefix>metrics`
                     self.send_error(404)
                     return
                 body, content_type = render()

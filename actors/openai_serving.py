@@ -172,7 +172,7 @@ class OpenAIServing:
                     f"{wanted} tokens ({p.num_tokens} in the prompt, {max_tokens or 0} for the completion). Please "
                     "reduce the length of the prompt or of the completion.", "prompt", "context_length_exceeded")
         if self.admission is not None:  # a full queue answers 429 before a stream starts
-            self.admission.check(sum(p.num_tokens for p in prompts))
+            self.admission.check([p.num_tokens for p in prompts])
 
     # sampling ----------------------------------------------------------------------------------
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
@@ -223,7 +223,7 @@ class OpenAIServing:
         streams = [self.engine.generate(p.ids, params, f"{request_id}-{i}", media=p.media or None)
                    for i, p in enumerate(prompts)]
         unfinished = set(range(len(prompts)))
-        ticket = None if self.admission is None else self.admission.admit(sum(p.num_tokens for p in prompts))
+        ticket = None if self.admission is None else self.admission.admit([p.num_tokens for p in prompts])
         try:
             async with aclosing(_merge(streams)) as merged:
                 async for i, out in merged:

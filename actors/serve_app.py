@@ -22,7 +22,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
-from k3ray.actors.admission import Admission
+from k3ray.actors.admission import Admission, AdmissionLimits
 from k3ray.actors.ingress_router import K3IngressRouter
 from k3ray.actors.llm_autoscaling import serve_autoscaling_config
 from k3ray.actors.load_signals import LoadSignals
@@ -64,8 +64,10 @@ class K3Server:
             MetricsListener(self.metrics.render_now, serve.get_replica_context().app_name)
         server = self.args.server
         self.load_signals = LoadSignals(window_s=self.args.autoscaling.look_back_period_s)
-        admission = Admission(server.max_queued_tokens or None, server.max_queue_wait_s or None, server.retry_after_s,
-                              on_started=self.load_signals.observe_ttft)
+        info = self.engine.info
+        limits = AdmissionLimits(server.max_queued_tokens or None, server.max_queue_wait_s or None,
+                                 server.retry_after_s, info.long_prompt_tokens, info.prefill_chunk_tokens)
+        admission = Admission(limits, self.engine.get_stats, on_started=self.load_signals.observe_ttft)
         self.serving = OpenAIServing(self.engine, tokenizer, server.served_model_name, self.metrics, admission)
         logger.info("K3Server ready: %s, max_model_len %d, %s", self.args.server.served_model_name,
                     self.engine.info.max_model_len, type(self.executor or self.engine).__name__)

@@ -43,10 +43,11 @@ class ServerSettings(Settings):
     max_queued_requests: int = Field(256, ge=-1, description="requests waiting for a replica, then 429; -1 = no bound")
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After of a 429")
     max_queued_tokens: int = Field(
-        65536, ge=0, description="prompt tokens waiting in a replica (admitted, no output yet), then 429; 0 = no bound")
+        65536, ge=0, description="prompt tokens a replica still has to prefill for short prompts, then 429 (long "
+        "prompts have a lane of their own); 0 = no bound")
     max_queue_wait_s: float = Field(
-        30.0, ge=0, description="expected wait in a replica's queue (its waiting prompt tokens / its measured "
-        "throughput) beyond which requests get 429 with Retry-After; 0 = no bound")
+        30.0, ge=0, description="expected wait in a replica's lane (the prompt tokens ahead / the engine's measured "
+        "prefill rate) beyond which requests get 429 with Retry-After; 0 = no bound")
 
 
 class ModelSettings(Settings):
@@ -98,10 +99,17 @@ class EngineSettings(Settings):
 
     max_num_seqs: int = Field(64, ge=1, description="sequences per batch")
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per step")
-    max_model_len: int | None = Field(None, ge=2, description="context limit; null = what the cache holds")
+    max_model_len: int | None = Field(
+        None, ge=2, description="context limit; null = what the cache holds less the long-context reserve")
     block_size: int = Field(16, ge=1, description="MLA cache block size (tokens)")
     cache_memory_mb: float | None = Field(
         None, gt=0, description="cache memory per replica; null = the engine's default")
+    long_prefill_token_threshold: int = Field(
+        16384, ge=1, description="longer prompts are long: one prefills at a time, with at most half of each step's "
+        "tokens while shorter requests wait, in their own admission lane")
+    long_context_reserve: int | None = Field(
+        None, ge=0, description="cache tokens long sequences leave to shorter ones; null = a 16th of the cache "
+        "once it holds four long prompts")
     enable_prefix_caching: bool = Field(True, description="reuse the cache of a shared prompt prefix")
     speculative_ngram: int = Field(0, ge=0, description="draft tokens per step by n-gram lookup; 0 = off")
     enforce_eager: bool = Field(False, description="no CUDA graphs: decode steps run eagerly (on the CPU they always do)")

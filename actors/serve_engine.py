@@ -26,6 +26,7 @@ def engine_config(args: ServeArgs) -> EngineConfig:
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
         max_model_len=e.max_model_len, block_size=e.block_size, cache_memory_bytes=cache_bytes,
         enable_prefix_caching=e.enable_prefix_caching, speculative=spec, seed=e.seed, enforce_eager=e.enforce_eager,
+        long_prefill_token_threshold=e.long_prefill_token_threshold, long_context_reserve=e.long_context_reserve,
     )
 
 

@@ -112,6 +112,13 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
         yield counter("prompt_tokens", "Prompt tokens computed by prefill", s.prompt_tokens)
+        yield gauge("prefill_backlog_tokens", "Prompt tokens still to prefill, short prompts", s.prefill_backlog_tokens)
+        yield gauge("long_prefill_backlog_tokens", "Prompt tokens still to prefill, long prompts (their own lane)",
+                    s.long_prefill_backlog_tokens)
+        yield gauge("prefill_tokens_per_second", "Measured prefill rate of short prompts (0 before any)",
+                    s.prefill_tok_s or 0.0)
+        yield gauge("long_prefill_tokens_per_second", "Measured prefill rate of long prompts (0 before any)",
+                    s.long_prefill_tok_s or 0.0)
         yield counter("generation_tokens", "Generated tokens", s.generation_tokens - self.discarded_tokens)
         yield counter("num_preemptions", "Sequences preempted for cache space", s.num_preemptions)
         yield counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed", s.spec_draft_tokens)

@@ -34,6 +34,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._stats = engine.get_stats()  # as of the last step, as EngineClient's
 
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
                        media: Seq[ProcessedMedia] | None = None) -> AsyncIterator[RequestOutput]:
@@ -59,7 +60,8 @@ class AsyncEngine:
             self._start()
 
     def get_stats(self) -> EngineStats:
-        return self.engine.get_stats()
+        """As of the engine's last step (or abort): requests queued since are not in it yet."""
+        return self._stats
 
     @property
     def info(self) -> EngineInfo:
@@ -95,6 +97,8 @@ class AsyncEngine:
             final = self.engine.abort_request(request_id)
             if final is not None:
                 self._deliver(final)
+        if aborts:
+            self._stats = self.engine.get_stats()
         pending, self._pending = self._pending, []
         for request in pending:
             try:
@@ -117,6 +121,7 @@ class AsyncEngine:
                 await self._wakeup.wait()
                 continue
             step = await asyncio.to_thread(step_or_abort, self.engine)
+            self._stats = self.engine.get_stats()
             for request_id in step.aborted:  # the step failed: its requests' streams end with the cause
                 self._streams.pop(request_id).put_nowait(step.error)
             for out in step.outputs:

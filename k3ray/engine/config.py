@@ -36,10 +36,18 @@ class EngineConfig:
 
     Cache size: explicit `num_blocks` / `num_state_slots`, or carved from `cache_memory_bytes` (state
     slots first: one live slot per sequence, the speculative scratch slots, the snapshot slots; MLA
-    blocks get the rest). `max_model_len` defaults to what the model and the block pool allow.
+    blocks get the rest). `max_model_len` defaults to what the model and the block pool allow, less
+    the long-context reserve.
     Prefix caching snapshots the KDA / conv state every `snapshot_interval` blocks and at the last
     block boundary of each prompt; prefill chunks end at those boundaries. On CUDA, decode-only
     steps replay CUDA graphs captured per batch-size bucket unless `enforce_eager`.
+
+    Long context beside short requests: a sequence of more than `long_prefill_token_threshold`
+    tokens is long. One long prompt prefills at a time (shorter requests go past the others), its
+    chunks take at most half of what is left of a step's budget while shorter work waits, and long
+    sequences together leave `long_context_reserve` tokens of the cache to the rest (None: a 16th of
+    it once the cache holds four long prompts; 0: none). An explicit `max_model_len` above what the
+    reserve leaves shrinks the reserve.
     """
 
     max_num_seqs: int = 64
@@ -55,11 +63,14 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs: decode steps run eagerly too (always so on the CPU)
+    long_prefill_token_threshold: int = 16384
+    long_context_reserve: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "snapshot_interval"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "snapshot_interval",
+                     "long_prefill_token_threshold"):
             _positive(name, getattr(self, name))
         for name in ("max_model_len", "num_blocks", "num_state_slots", "cache_memory_bytes"):
             if getattr(self, name) is not None:
@@ -68,6 +79,11 @@ class EngineConfig:
             not isinstance(self.num_snapshot_slots, int) or self.num_snapshot_slots < 0
         ):
             raise ValueError(f"num_snapshot_slots must be an int >= 0, got {self.num_snapshot_slots!r}")
+        if self.long_context_reserve is not None and (
+            isinstance(self.long_context_reserve, bool) or not isinstance(self.long_context_reserve, int)
+            or self.long_context_reserve < 0
+        ):
+            raise ValueError(f"long_context_reserve must be an int >= 0, got {self.long_context_reserve!r}")
         if self.num_blocks is not None and self.cache_memory_bytes is not None:
             raise ValueError("give num_blocks or cache_memory_bytes, not both")
         if self.max_num_batched_tokens < 1 + self.num_speculative_tokens:
@@ -85,6 +101,12 @@ class EngineConfig:
         """A live KDA / conv slot, plus one scratch slot per verified position when speculating."""
         k = self.num_speculative_tokens
         return 1 + (k + 1 if k else 0)
+
+    def reserve_tokens(self, capacity: int) -> int:
+        """Cache tokens long sequences leave to the rest, of a cache holding `capacity` tokens."""
+        if self.long_context_reserve is not None:
+            return min(self.long_context_reserve, capacity)
+        return capacity // 16 if capacity >= 4 * self.long_prefill_token_threshold else 0
 
     @property
     def snapshot_slots(self) -> int:

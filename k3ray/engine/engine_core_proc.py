@@ -8,18 +8,24 @@ or a shutdown message arrives.
 Messages in:  ("add", request_id, prompt, params, media, arrival_time) | ("abort", request_id)
               | ("shutdown",); the first message is the engine factory (a picklable callable).
 Messages out: ("ready", EngineInfo, EngineStats) | ("failed", error) once, then
-              ("step", [OutputDelta], [(request_id, error)], EngineStats) whenever something happened.
+              ("step", [OutputDelta], [(request_id, error)], EngineStats) whenever something happened,
+              and at least every STATS_EVERY_S while steps run.
 """
 
 from __future__ import annotations
 
 import pickle
 import sys
+import time
 from multiprocessing.connection import Connection
 
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.output_delta import DeltaEncoder
 from k3ray.engine.step_or_abort import step_or_abort
+
+
+# steps without outputs (a long prefill) still report the stats this often, for admission and metrics
+STATS_EVERY_S = 0.25
 
 
 def send(conn: Connection, message) -> None:
@@ -44,6 +50,7 @@ def portable(error: BaseException) -> BaseException:
 def serve_engine(engine, conn: Connection) -> None:
     """Run until the parent sends ("shutdown",) or closes the socket."""
     encoder = DeltaEncoder()
+    last_sent = time.monotonic()
     while True:
         outputs, errors = [], []
         try:
@@ -73,11 +80,12 @@ def serve_engine(engine, conn: Connection) -> None:
                 for request_id in step.aborted:
                     encoder.forget(request_id)
                     errors.append((request_id, error))
-        if outputs or errors:
+        if outputs or errors or time.monotonic() - last_sent >= STATS_EVERY_S:
             try:
                 send(conn, ("step", [encoder.encode(o) for o in outputs], errors, engine.get_stats()))
             except (EOFError, OSError):
                 return
+            last_sent = time.monotonic()
 
 
 def main(argv: list[str]) -> int:

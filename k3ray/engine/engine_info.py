@@ -16,9 +16,11 @@ class EngineInfo:
     model_config: ModelConfig
     supports_media: bool
     multimodal: MultiModalConfig
+    long_prompt_tokens: int  # longer prompts take the long lane (EngineConfig.long_prefill_token_threshold)
+    prefill_chunk_tokens: int  # the most of one prompt a step computes (a snapshot interval, or the budget)
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         """engine: an LLMEngine."""
         return cls(engine.max_model_len, engine.vocab_size, engine.model_config, engine.supports_media,
-                   engine.multimodal)
+                   engine.multimodal, engine.config.long_prefill_token_threshold, engine.prefill_chunk_tokens)

@@ -54,7 +54,8 @@ class LLMEngine:
         geometry = size_cache(config, layout)
         capacity = geometry.num_blocks * geometry.block_size - config.num_speculative_tokens
         limit = min(self.model_config.max_position_embeddings, capacity)
-        max_model_len = config.max_model_len or limit
+        reserve = config.reserve_tokens(capacity)
+        max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, capacity - reserve)
         if max_model_len > limit:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds what fits: {self.model_config.max_position_embeddings} "
@@ -74,7 +75,10 @@ class LLMEngine:
         spare_slots = geometry.num_state_slots - config.max_num_seqs * config.slots_per_seq
         self.cache = CacheManager(geometry, layout, config.enable_prefix_caching, config.snapshot_interval,
                                   max_protected_snapshots=spare_slots // 2)
-        self.scheduler = Scheduler(config, self.cache, max_model_len)
+        # long sequences together hold at most the cache less the reserve (an explicit longer max_model_len shrinks it)
+        reserve_blocks = (capacity - max(capacity - reserve, max_model_len)) // geometry.block_size
+        self.scheduler = Scheduler(config, self.cache, max_model_len, geometry.num_blocks - reserve_blocks)
+        self.reserve_tokens = reserve_blocks * geometry.block_size
         eos = {self.model_config.eos_token_id} | set(getattr(tokenizer, "stop_token_ids", ()))
         self.output_processor = OutputProcessor(frozenset(eos), max_model_len, tokenizer)
         self._structured_outputs = None  # StructuredOutputs, built by the first constrained request
@@ -86,10 +90,18 @@ class LLMEngine:
         self.multimodal = multimodal
         self.requests: dict[str, Request] = {}
         self.stats = StatsCollector()
+        self._busy_since: float | None = None  # the last step's end, while requests remained
+        self._stepped_at = 0.0  # when the last step began: the requests queued by then are in get_stats()
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
 
     # requests ---------------------------------------------------------------------------------
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """The most of one prompt a step computes: chunks end at snapshot boundaries."""
+        budget = self.config.max_num_batched_tokens
+        return min(budget, self.cache.snapshot_stride) if self.cache.enable_prefix_caching else budget
+
     @property
     def supports_media(self) -> bool:
         return self.vision_encoder is not None
@@ -194,6 +206,8 @@ class LLMEngine:
                 self.scheduler.free(seq)
                 self.output_processor.abort(seq)
         request.metrics.finished_time = time.monotonic()
+        if not self.requests:
+            self._busy_since = None
         return request.output()
 
     def has_unfinished_requests(self) -> bool:
@@ -203,6 +217,10 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step -> the outputs of the requests it advanced (with finished_only, of those it
         finished: what a caller that keeps only final outputs needs, without building the rest)."""
+        # a step's time runs from the previous one's end while requests remained: what a waiting
+        # request sees (the caller's work between steps included); idle time is never counted
+        self._stepped_at = time.monotonic()
+        started = self._stepped_at if self._busy_since is None else self._busy_since
         out = self.scheduler.schedule()
         if not out.seqs:
             # the oldest running sequence can always preempt the rest, so work means progress
@@ -219,7 +237,23 @@ class LLMEngine:
         processed = self._process(out, logits)
         self.scheduler.commit(out, processed)
         self.stats.num_steps += 1
-        return self._outputs(out, finished_only)
+        outputs = self._outputs(out, finished_only)
+        ended = time.monotonic()
+        self._observe_rates(out, ended - started)
+        self._busy_since = ended if self.requests else None
+        return outputs
+
+    def _observe_rates(self, out: SchedulerOutput, seconds: float) -> None:
+        """This step's prefill tokens of each lane and its decode tokens, for the measured rates."""
+        short = long = decode = 0
+        for sc in out.seqs:
+            if sc.decode:
+                decode += sc.num_new_tokens
+            elif self.scheduler.long_prompt(sc.seq):
+                long += sc.num_tokens
+            else:
+                short += sc.num_tokens
+        self.stats.observe_step(seconds, short, long, decode)
 
     def _encode_media(self, out: SchedulerOutput) -> None:
         """Encode (once per request, in one call per step) the media this step's chunks reach."""
@@ -334,6 +368,7 @@ class LLMEngine:
     # metrics ----------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         s = self.scheduler
+        backlog = s.backlog()
         return self.stats.snapshot(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
@@ -342,6 +377,9 @@ class LLMEngine:
             prefix_cache_queries=self.cache.prefix_queries,
             prefix_cache_hits=self.cache.prefix_hits,
             cached_prefixes=self.cache.resumable_prefixes(),
+            prefill_backlog_tokens=backlog[0],
+            long_prefill_backlog_tokens=backlog[1],
+            as_of=self._stepped_at,
         )
 
     def reset_prefix_cache(self) -> None:

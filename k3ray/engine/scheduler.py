@@ -5,6 +5,12 @@ then running prefills, then new sequences (FIFO, admitted while a live slot and 
 first chunk are available, resuming from the prefix cache when possible). A sequence that needs
 blocks preempts the newest running sequences scheduled after it (they are freed and requeued to
 recompute). Prefill chunks end at snapshot boundaries so the state there can be copied out.
+
+Long context (EngineConfig.long_prefill_token_threshold) never locks shorter requests out: one long
+prompt prefills at a time (shorter waiting sequences go past the other long ones), its chunk takes
+at most half of the step's remaining budget while shorter prefill work waits, long sequences
+together hold at most `long_block_cap` blocks (the rest is the reserve for shorter ones), and a long
+sequence preempts only long ones.
 """
 
 from __future__ import annotations
@@ -59,10 +65,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, cache: CacheManager, max_model_len: int,
+                 long_block_cap: int | None = None) -> None:
+        """long_block_cap: blocks long sequences may hold together (None: the whole pool)."""
         self.config = config
         self.cache = cache
         self.max_model_len = max_model_len
+        self.long_threshold = config.long_prefill_token_threshold
+        self.long_block_cap = cache.blocks.num_blocks if long_block_cap is None else long_block_cap
         self.num_spec = config.num_speculative_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -90,27 +100,60 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, decode=True, max_drafts=self._max_drafts(seq)))
             scheduled.add(seq.seq_id)
             budget -= n
-        for seq in list(self.running):
+        prefills = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING
+                    and seq.seq_id not in scheduled and not _is_decode(seq)]
+        shorter_waits = any(not self.long_prompt(seq) for seq in prefills) or (
+            len(self.running) < self.config.max_num_seqs and any(not self.long_prompt(seq) for seq in self.waiting))
+        for seq in prefills:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled or _is_decode(seq):
+            if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier one's growth
                 continue
             start = seq.num_computed_tokens
-            end = self._chunk_end(seq, start, budget)
+            share = budget - budget // 2 if shorter_waits and self.long_prompt(seq) else budget
+            end = self._chunk_end(seq, start, share)
             self._grow(seq, end, scheduled, out)
             end = min(end, len(seq.block_table) * self.cache.block_size)
             if end > start:
                 out.seqs.append(ScheduledSeq(seq, start, end - start))
                 scheduled.add(seq.seq_id)
                 budget -= end - start
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            sc = self._admit(self.waiting[0], budget, out)
+        long_prefilling = any(self.long_prompt(seq) for seq in prefills)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            long = self.long_prompt(seq)
+            if long and long_prefilling:  # the long lane is taken: shorter requests go past
+                i += 1
+                continue
+            shorter_behind = long and any(not self.long_prompt(s) for s in list(self.waiting)[i + 1:])
+            sc = self._admit(i, budget - budget // 2 if shorter_behind else budget, out)
             if sc is None:
+                if long:  # it waits for blocks the reserve keeps from it; shorter ones need not
+                    i += 1
+                    continue
                 break
             out.seqs.append(sc)
             scheduled.add(sc.seq.seq_id)
             budget -= sc.num_tokens
+            long_prefilling = long_prefilling or long
         return out
+
+    def long_prompt(self, seq: Sequence) -> bool:
+        """Its prompt alone is long: it takes the long lane (one prefills at a time)."""
+        return seq.prompt_len > self.long_threshold
+
+    def backlog(self) -> tuple[int, int]:
+        """Tokens still to prefill (prompts, and what preempted sequences recompute), of short and of
+        long prompts."""
+        short = long = 0
+        for seq in (*self.waiting, *self.running):
+            if not _is_decode(seq):
+                if self.long_prompt(seq):
+                    long += seq.num_uncomputed
+                else:
+                    short += seq.num_uncomputed
+        return short, long
 
     def _max_drafts(self, seq: Sequence) -> int:
         """Drafts whose acceptance cannot overrun max_tokens or the context limit."""
@@ -127,22 +170,37 @@ class Scheduler:
         return end if boundary is None else min(end, boundary)
 
     def _grow(self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput) -> bool:
-        """Give seq blocks for num_tokens, preempting newer unscheduled sequences if needed; on
-        shortage, seq keeps what it has and False is returned."""
+        """Give seq blocks for num_tokens, preempting newer unscheduled sequences if needed (a long
+        one only long ones, within long_block_cap); on shortage, seq keeps what it has and False is
+        returned."""
         pool = self.cache.blocks
-        need = self.cache.blocks_for(num_tokens) - len(seq.block_table)
-        while need > pool.num_available:
-            victim = next((v for v in reversed(self.running) if v is not seq and v.seq_id not in scheduled), None)
+        want = self.cache.blocks_for(num_tokens) - len(seq.block_table)
+        long = num_tokens > self.long_threshold
+
+        def available() -> int:
+            return min(pool.num_available, self._long_room(seq)) if long else pool.num_available
+
+        need = want
+        while need > available():
+            victim = next((v for v in reversed(self.running) if v is not seq and v.seq_id not in scheduled
+                           and (not long or v.num_tokens > self.long_threshold)), None)
             if victim is None or self.running.index(victim) < self.running.index(seq):
-                need = pool.num_available
+                need = available()
                 break
             self._preempt(victim, out)
         if need > 0:
             seq.block_table += pool.allocate(need)
-        return self.cache.blocks_for(num_tokens) <= len(seq.block_table)
+        return need >= want
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
+    def _long_room(self, seq: Sequence) -> int:
+        """Blocks long sequences (seq counted as one) may still take."""
+        held = sum(len(s.block_table) for s in self.running if s is not seq and s.num_tokens > self.long_threshold)
+        return max(0, self.long_block_cap - held - len(seq.block_table))
+
+    def _admit(self, index: int, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
+        """Start waiting sequence `index` with a first chunk of at most `budget` tokens, or None."""
         cache = self.cache
+        seq = self.waiting[index]
         if cache.states.num_available < self.config.slots_per_seq:
             return None
         lookup = cache.enable_prefix_caching and not (seq.index == 0 and seq.request.needs_prompt_logprobs)
@@ -153,8 +211,11 @@ class Scheduler:
                 cache.blocks.acquire(b)
         have = len(hit.blocks) if hit else 0
         start = hit.num_tokens if hit else 0
-        end = min(self._chunk_end(seq, start, budget), (have + cache.blocks.num_available) * cache.block_size)
-        if end <= start or cache.states.num_available < self.config.slots_per_seq:
+        free = cache.blocks.num_available
+        if seq.num_tokens > self.long_threshold:
+            free = min(free, self._long_room(seq) - have)
+        end = min(self._chunk_end(seq, start, budget), (have + free) * cache.block_size)
+        if end <= start or free < 0 or cache.states.num_available < self.config.slots_per_seq:
             if hit is not None:
                 cache.blocks.release(hit.blocks)
                 cache.states.unpin(hit.snapshot_slot, resumed=False)
@@ -171,7 +232,7 @@ class Scheduler:
             out.pre_copies.append((hit.snapshot_slot, seq.state_slot))
             out.pinned.append(hit.snapshot_slot)
         seq.status = SequenceStatus.RUNNING
-        self.waiting.popleft()
+        del self.waiting[index]
         self.running.append(seq)
         if seq.request.metrics.first_scheduled_time is None:
             seq.request.metrics.first_scheduled_time = time.monotonic()

@@ -1,5 +1,5 @@
 """Engine counters and timings for metrics: queue sizes, cache use, prefix hits, speculative
-acceptance, TTFT / TPOT."""
+acceptance, TTFT / TPOT, and the prefill backlog and measured rates a server's admission reads."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from k3ray.engine.outputs import RequestMetrics
+from k3ray.engine.rates import Rate
 
 WINDOW = 1000  # recent requests kept for percentiles
 
@@ -33,6 +34,16 @@ class EngineStats:
     tpot_mean_s: float | None
     media_items_encoded: int = 0  # images / videos through the vision encoder
     cached_prefixes: frozenset[bytes] = frozenset()  # CacheManager.resumable_prefixes()
+    # admission's inputs: tokens still to prefill per lane (short / long prompts, Scheduler.backlog),
+    # each lane's measured prefill rate and the decode rate (tokens per second of step time; None
+    # before any); they hold the requests queued before `as_of` (time.monotonic(): the last step's start)
+    prefill_backlog_tokens: int = 0
+    long_prefill_backlog_tokens: int = 0
+    prefill_tok_s: float | None = None
+    long_prefill_tok_s: float | None = None
+    decode_tok_s: float | None = None
+    prefill_step_s: float | None = None  # a prefill step's mean time (with the work before it)
+    as_of: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -58,6 +69,10 @@ class StatsCollector:
         self.spec_verifications = 0
         self.num_finished = 0
         self.media_items_encoded = 0
+        self.prefill_rate = Rate()  # short prompts
+        self.long_prefill_rate = Rate()
+        self.decode_rate = Rate()
+        self.prefill_step_rate = Rate()  # steps that computed prompt tokens, per second
         self.ttft: deque[float] = deque(maxlen=WINDOW)
         self.tpot: deque[float] = deque(maxlen=WINDOW)
 
@@ -67,6 +82,12 @@ class StatsCollector:
             self.ttft.append(metrics.ttft)
             if num_output_tokens > 1 and metrics.finished_time is not None:
                 self.tpot.append((metrics.finished_time - metrics.first_token_time) / (num_output_tokens - 1))
+
+    def observe_step(self, seconds: float, prefill_tokens: int, long_prefill_tokens: int, decode_tokens: int) -> None:
+        self.prefill_rate.observe(prefill_tokens, seconds)
+        self.long_prefill_rate.observe(long_prefill_tokens, seconds)
+        self.decode_rate.observe(decode_tokens, seconds)
+        self.prefill_step_rate.observe(int(prefill_tokens + long_prefill_tokens > 0), seconds)
 
     def snapshot(self, **live) -> EngineStats:
         ttft = sorted(self.ttft)
@@ -83,5 +104,9 @@ class StatsCollector:
             ttft_p50_s=ttft[len(ttft) // 2] if ttft else None,
             ttft_p99_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
             tpot_mean_s=statistics.fmean(self.tpot) if self.tpot else None,
+            prefill_tok_s=self.prefill_rate.per_s,
+            long_prefill_tok_s=self.long_prefill_rate.per_s,
+            decode_tok_s=self.decode_rate.per_s,
+            prefill_step_s=None if self.prefill_step_rate.per_s is None else 1 / self.prefill_step_rate.per_s,
             **live,
         )

@@ -3,6 +3,8 @@ and AutoscalingConfig, and what a replica reports (actors/load_signals.py) on a 
 moves. The policy scaling a pipeline x expert-parallel app on a cluster is in
 test_serve_llm_autoscale.py."""
 
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("ray")
@@ -11,7 +13,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
 from ray.serve.config import AutoscalingConfig, AutoscalingContext  # noqa: E402
 
 from k3ray.actors import load_signals as sig  # noqa: E402
-from k3ray.actors.admission import Admission  # noqa: E402
+from k3ray.actors.admission import Admission, AdmissionLimits  # noqa: E402
 from k3ray.actors.llm_autoscaling import STATE_KEY, LLMAutoscalingPolicy, serve_autoscaling_config  # noqa: E402
 from k3ray.actors.serve_config import AutoscalingSettings  # noqa: E402
 from k3ray.engine.stats import EngineStats  # noqa: E402
@@ -130,9 +132,10 @@ def test_the_ongoing_requests_policy_stays_serves_default():
 def test_a_replica_reports_queued_tokens_cache_usage_and_recent_ttft_percentiles():
     clock = Clock()
     signals = sig.LoadSignals(window_s=10, clock=clock)
-    admission = Admission(max_queued_tokens=None, max_queue_wait_s=None, retry_after_s=1, clock=clock,
-                          on_started=signals.observe_ttft)
-    tickets = [admission.admit(100 * (i + 1)) for i in range(10)]  # 100 .. 1000 prompt tokens
+    idle_engine = stats(running=0, blocks=0.0, live_slots=0, total_slots=12)  # as of before the requests
+    admission = Admission(AdmissionLimits(None, None, retry_after_s=1, long_prompt_tokens=16384, prefill_chunk_tokens=1024),
+                          lambda: replace(idle_engine, as_of=-1.0), clock=clock, on_started=signals.observe_ttft)
+    tickets = [admission.admit([100 * (i + 1)]) for i in range(10)]  # 100 .. 1000 prompt tokens
     for i, ticket in enumerate(tickets[:9]):
         clock.now += 0.1 * (i + 1)  # first tokens after 0.1, 0.3, 0.6, ... s
         admission.started(ticket)

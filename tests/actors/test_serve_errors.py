@@ -50,6 +50,20 @@ def queue_server(server, serve_app, tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
+def long_server(server, serve_app, tiny_checkpoint):
+    """A third app: the engine's default long-context settings on an 80 MB cache (about 240K tokens)."""
+    from ray import serve
+
+    url = serve_app(
+        {"model": {"model": tiny_checkpoint},
+         "server": {"served_model_name": MODEL, "api_key": KEY, "retry_after_s": 2},
+         "engine": {"cache_memory_mb": 80}},
+        port=int(server.rsplit(":", 1)[1]), name="k3ray-long", route_prefix="/long")
+    yield url
+    serve.delete("k3ray-long")
+
+
+@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server, headers=AUTH, timeout=120) as client:
         yield client
@@ -355,3 +369,71 @@ def test_a_dead_engine_process_fails_health_then_serve_replaces_the_replica(serv
         time.sleep(1)
     out = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
+
+
+def first_token_s(url: str, prompt: str) -> tuple[int, float]:
+    """(status, seconds to the first streamed text) of a short completion."""
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=120, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}) as resp:
+        if resp.status_code != 200:
+            return resp.status_code, time.monotonic() - t0
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"] is not None:
+                return 200, time.monotonic() - t0
+    return 200, time.monotonic() - t0
+
+
+def test_short_requests_run_beside_a_200k_token_prompt(long_server):
+    """A 200K-token prompt takes minutes to prefill here. Short requests sent meanwhile are admitted
+    and get their first token within seconds (before: every one got 429 for the long prompt's
+    tokens); a second long prompt is the only one told to wait, by a 429 naming the long lane."""
+    client = httpx.Client(base_url=long_server, headers=AUTH, timeout=600)
+    long_result: list = []
+
+    def long_request() -> None:
+        try:
+            long_result.append(client.post("/v1/completions", json={
+                "model": MODEL, "prompt": "The haystack. " * 14_286, "max_tokens": 4}))  # 200,004 tokens
+        except httpx.HTTPError as e:  # the test hangs up once it has seen enough
+            long_result.append(e)
+
+    runner = threading.Thread(target=long_request)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 120
+        while long_prefill_rate(long_server) == 0:
+            assert time.monotonic() < deadline and not long_result, long_result
+            time.sleep(0.5)
+        ttfts: list[tuple[int, float]] = []
+        shorts = [threading.Thread(target=lambda i=i: ttfts.append(first_token_s(long_server, f"Short {i}: hello")))
+                  for i in range(4)]
+        for t in shorts:
+            t.start()
+        for t in shorts:
+            t.join(timeout=60)
+        assert len(ttfts) == 4 and all(status == 200 and s < 10 for status, s in ttfts), ttfts
+        second = httpx.post(f"{long_server}/v1/completions", headers=AUTH, timeout=60,
+                            json={"model": MODEL, "prompt": "y" * 50_000, "max_tokens": 4})
+        error = error_of(second, 429)
+        assert "long prompts (over 16384 tokens) are ahead in their own lane" in error["message"], error
+        assert int(second.headers["retry-after"]) > 2
+        assert not long_result, "the long prompt should still be prefilling"
+    finally:
+        client.close()  # the long request is cancelled with its connection
+        runner.join(timeout=60)
+    deadline = time.monotonic() + 60
+    with httpx.Client(base_url=long_server, headers=AUTH, timeout=30) as probe:
+        while (m := metrics(probe))["k3ray:num_requests_running"] or m["k3ray:long_prefill_backlog_tokens"]:
+            assert time.monotonic() < deadline, m
+            time.sleep(0.5)
+
+
+def long_prefill_rate(url: str) -> float:
+    """The app's measured long-prompt prefill rate (0 while none ran, or while HAProxy still
+    brings its metrics listener in)."""
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as probe:
+        try:
+            return metrics(probe).get("k3ray:long_prefill_tokens_per_second", 0.0)
+        except ValueError:
+            return 0.0

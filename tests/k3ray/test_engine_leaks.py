@@ -21,11 +21,13 @@ def model():
     return build_model(MICRO, seed=0)
 
 
-def small_engine(model, speculative=None):
-    # 24 blocks of 4 tokens for up to 6 sequences of up to ~45 tokens: preemption and eviction
+def small_engine(model, speculative=None, long_lane=False):
+    # 24 blocks of 4 tokens for up to 6 sequences of up to ~45 tokens: preemption and eviction; with
+    # long_lane, prompts over 20 tokens take the long lane and long sequences leave 16 tokens to the rest
+    lanes = {"long_prefill_token_threshold": 20, "long_context_reserve": 16} if long_lane else {}
     return LLMEngine(LocalExecutor(model), EngineConfig(
         max_num_seqs=6, max_num_batched_tokens=16, num_blocks=24, block_size=4, snapshot_interval=1,
-        num_snapshot_slots=4, max_model_len=48, speculative=speculative))
+        num_snapshot_slots=4, max_model_len=48, speculative=speculative, **lanes))
 
 
 request = st.fixed_dictionaries({
@@ -62,6 +64,10 @@ def check_accounting(engine):
     assert len(states.protected) <= states.max_protected and states.reused <= snapshots | set(states.pending.values())
     assert set(states.placed) <= snapshots | set(states.pending.values())  # no run position outlives its snapshot
     assert len(cache.blocks.free) + len(cache.blocks.cached) + sum(r > 0 for r in refs) == cache.geometry.num_blocks
+    # long sequences grow within their cap; one that grew past the threshold may still hold what it took before
+    long_seqs = [s for s in sched.running if s.num_tokens > sched.long_threshold]
+    carried = len(long_seqs) * cache.blocks_for(sched.long_threshold + sched.num_spec + 1)
+    assert sum(len(s.block_table) for s in long_seqs) <= sched.long_block_cap + carried
 
 
 def drive(engine, requests):
@@ -94,9 +100,11 @@ def assert_nothing_held(engine):
     assert usage["state_slots_free"] + usage["state_slots_snapshot"] == usage["state_slots_total"]
 
 
-@pytest.mark.parametrize("speculative, examples", [(None, 20), (SpeculativeConfig("ngram", 3), 5)])
-def test_no_slot_or_block_leaks_after_1000_random_requests(model, speculative, examples):
-    engine = small_engine(model, speculative)
+@pytest.mark.parametrize("speculative, examples, long_lane", [
+    (None, 20, False), (SpeculativeConfig("ngram", 3), 5, False), (None, 8, True)])
+def test_no_slot_or_block_leaks_after_1000_random_requests(model, speculative, examples, long_lane):
+    engine = small_engine(model, speculative, long_lane)
+    assert engine.scheduler.long_block_cap == (24 - 4 if long_lane else 24)
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
