@@ -32,6 +32,7 @@ FLAGS = {
     "--max-queued-tokens", "--max-queue-wait-s", "--max-request-pixels", "--device", "--enforce-eager",
     "--redundant-experts", "--rebalance-steps", "--autoscale-policy", "--autoscale-ttft-ms", "--autoscale-queued-tokens",
     "--request-router", "--affinity-max-imbalance", "--routing-stats-period-s", "--stage-transport",
+    "--long-prefill-token-threshold", "--long-context-reserve",
 }
 GROUPS = [LAUNCH_GROUP, "server", "model", "parallel", "engine", "autoscaling", "routing", "media"]
 
