@@ -16,9 +16,10 @@ class EngineInfo:
     model_config: ModelConfig
     supports_media: bool
     multimodal: MultiModalConfig
+    full_context_cache_bytes: int  # the cache_memory_bytes that would hold max_position_embeddings
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         """engine: an LLMEngine."""
         return cls(engine.max_model_len, engine.vocab_size, engine.model_config, engine.supports_media,
-                   engine.multimodal)
+                   engine.multimodal, engine.full_context_cache_bytes)
