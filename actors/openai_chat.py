@@ -26,11 +26,12 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     top = req.top_logprobs
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
-    if top is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    if top and not req.logprobs:  # 0 asks for nothing: accepted without logprobs, as by vLLM
+        raise bad_request(f"top_logprobs={top} needs logprobs=true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     prompt = await serving.chat_input(req.messages, req.add_generation_prompt, req.continue_final_message)
-    serving.check_context([prompt], max_tokens)
+    serving.check_context([prompt], max_tokens,
+                          "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=(top or 0) if req.logprobs else None)
     request_id = serving.request_id("chatcmpl")
     if req.stream:

@@ -1,6 +1,7 @@
 """POST /v1/completions: text or token-id prompts (one or a batch), n samples each, echo, legacy
 logprobs over the echoed prompt and the completion (lm-eval's loglikelihood requests:
-`echo: true, max_tokens: 0 or 1, logprobs: 1`), and SSE streaming."""
+`echo: true, max_tokens: 0 or 1, logprobs: 1`; max_tokens 0 without echo is an empty text, as OpenAI's
+minimum of 0 allows), and SSE streaming."""
 
 from __future__ import annotations
 
@@ -60,12 +61,11 @@ class _Choice:
 async def create_completion(serving: OpenAIServing, req: CompletionRequest) -> dict | AsyncIterator[str]:
     serving.check_model(req.model)
     check_stream_options(req)
-    if req.max_tokens == 0 and not req.echo:
-        raise bad_request("max_tokens=0 is only allowed with echo=true", "max_tokens")
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise bad_request("best_of > n cannot be streamed: the best completions are known only at the end", "best_of")
     prompts = serving.completion_prompts(req.prompt)
-    # max_tokens 0 (echo only) still runs one decode step in the engine; its token is dropped
+    # max_tokens 0 (the echoed prompt, its logprobs, or nothing) still runs one decode step in the
+    # engine; its token is dropped
     keep_generated = req.max_tokens != 0
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
     serving.check_context(prompts, max_tokens)

@@ -1,5 +1,6 @@
 """Engine logprobs -> the two OpenAI shapes: the legacy completions block {tokens, token_logprobs,
-top_logprobs, text_offset} (what lm-eval's loglikelihood reads) and the chat `content` list."""
+top_logprobs, text_offset} (what lm-eval's loglikelihood reads) and the chat `content` list. Tokens
+are named by their text (`token_text`), as OpenAI and vLLM name them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,18 @@ from k3ray.engine.outputs import PositionLogprobs
 from k3ray.tokenizer import IncrementalDetokenizer
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token as OpenAI's logprobs name it (vLLM's rule too): its text; a special token's name; for
+    bytes that are no whole UTF-8 text (part of a character), `bytes:` and each byte as `\\xNN`."""
+    piece = tokenizer.token_piece(token_id)
+    if isinstance(piece, str):
+        return piece
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
 def clean(logprob: float) -> float:
@@ -39,9 +52,9 @@ class CompletionLogprobs:
 
     def _block(self, ids: Sequence[int], entries: Sequence[PositionLogprobs | None], detok) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        names = self.tokenizer.convert_ids_to_tokens(ids)
-        for token_id, name, entry in zip(ids, names, entries):
-            out["tokens"].append(name)
+        for token_id, entry in zip(ids, entries):
+            out["tokens"].append(token_text(self.tokenizer, token_id))
+            # a character split over tokens counts at the token that completes it
             out["text_offset"].append(self._offset)
             self._offset += len(detok.push(token_id))
             if entry is None:
@@ -50,8 +63,7 @@ class CompletionLogprobs:
                 continue
             out["token_logprobs"].append(clean(entry[token_id].logprob))
             top = sorted(entry.items(), key=lambda kv: kv[1].rank)
-            top_names = self.tokenizer.convert_ids_to_tokens([t for t, _ in top])
-            out["top_logprobs"].append({n: clean(lp.logprob) for n, (_, lp) in zip(top_names, top)})
+            out["top_logprobs"].append({token_text(self.tokenizer, t): clean(lp.logprob) for t, lp in top})
         return out
 
 
@@ -74,8 +86,7 @@ def chat_logprobs(tokenizer, ids: Sequence[int], entries: Sequence[PositionLogpr
 def _chat_token(tokenizer, token_id: int, logprob: float) -> dict:
     piece = tokenizer.token_piece(token_id)
     raw = piece if isinstance(piece, bytes) else piece.encode()
-    (name,) = tokenizer.convert_ids_to_tokens([token_id])
-    return {"token": name, "logprob": clean(logprob), "bytes": list(raw)}
+    return {"token": token_text(tokenizer, token_id), "logprob": clean(logprob), "bytes": list(raw)}
 
 
 def prompt_logprobs_field(tokenizer, ids: Sequence[int], entries: Sequence[PositionLogprobs | None]) -> list:
@@ -85,7 +96,6 @@ def prompt_logprobs_field(tokenizer, ids: Sequence[int], entries: Sequence[Posit
         if entry is None:
             out.append(None)
             continue
-        names = tokenizer.convert_ids_to_tokens(list(entry))
-        out.append({str(t): {"logprob": clean(lp.logprob), "rank": lp.rank, "decoded_token": n}
-                    for (t, lp), n in zip(entry.items(), names)})
+        out.append({str(t): {"logprob": clean(lp.logprob), "rank": lp.rank, "decoded_token": token_text(tokenizer, t)}
+                    for t, lp in entry.items()})
     return out

@@ -120,12 +120,37 @@ class SamplingFields(OpenAIModel):
 
 _EMPTY_STRING = {"type": "string", "maxLength": 0}
 
+# rules between fields that JSON Schema states, so that a request the document calls valid is served
+_STREAM_OPTIONS_RULE = {"anyOf": [  # stream_options only with stream=true
+    {"required": ["stream"], "properties": {"stream": {"const": True}}},
+    {"properties": {"stream_options": {"type": "null"}}}]}
+_GRAMMAR_RULE = {"anyOf": [  # a grammar ends with EOS: not with ignore_eos=true
+    {"properties": {"ignore_eos": {"const": False}}},
+    {"properties": {"response_format": {"anyOf": [
+        {"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}]}
+_TOP_LOGPROBS_RULE = {"anyOf": [  # top_logprobs above 0 only with logprobs=true
+    {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    {"properties": {"top_logprobs": {"enum": [0, None]}}}]}
+_ONE_TOKENIZE_INPUT = {"oneOf": [  # exactly one of prompt or messages
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+    {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]}
+
+
+def _schema(description: str, *rules: dict):
+    """A model's json_schema_extra: its description (the rules JSON Schema cannot state) and `rules`."""
+    def extra(schema: dict) -> None:
+        schema["description"] = description
+        if rules:
+            schema["allOf"] = list(rules)
+    return extra
+
 
 class CompletionRequest(SamplingFields):
-    model_config = ConfigDict(json_schema_extra={"description": (
+    model_config = ConfigDict(json_schema_extra=_schema(
         "The prompt's tokens plus max_tokens must fit the context (max_model_len); best_of >= n, and "
-        f"best_of > n is not streamed; max_tokens 0 only with echo; prompts x (best_of or n) <= "
-        f"{MAX_SEQUENCES_PER_REQUEST}.")})
+        f"best_of > n is not streamed; prompts x (best_of or n) <= {MAX_SEQUENCES_PER_REQUEST}; a "
+        "response_format schema must compile as a grammar. max_tokens 0 generates nothing: the text is the "
+        "echoed prompt (echo=true) or empty.", _STREAM_OPTIONS_RULE, _GRAMMAR_RULE))
 
     prompt: PromptInput
     max_tokens: integer(ge=0, json_schema_extra=IN_CONTEXT) | None = 16
@@ -218,9 +243,10 @@ Messages = Annotated[list[ChatMessage], Field(min_length=1)]
 
 
 class ChatCompletionRequest(SamplingFields):
-    model_config = ConfigDict(json_schema_extra={"description": (
+    model_config = ConfigDict(json_schema_extra=_schema(
         "The rendered conversation's tokens plus max_tokens must fit the context (max_model_len); "
-        "top_logprobs needs logprobs=true; continue_final_message needs a final assistant message.")})
+        "continue_final_message needs a final assistant message; a response_format schema must compile as a "
+        "grammar.", _STREAM_OPTIONS_RULE, _GRAMMAR_RULE, _TOP_LOGPROBS_RULE))
 
     messages: Messages
     max_tokens: integer(ge=1, json_schema_extra=IN_CONTEXT) | None = None
@@ -239,7 +265,9 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(OpenAIModel):
     """vLLM's /tokenize: a `prompt` or a chat `messages` list."""
 
-    model_config = ConfigDict(json_schema_extra={"description": "exactly one of prompt or messages"})
+    model_config = ConfigDict(json_schema_extra=_schema(
+        "exactly one of prompt or messages; continue_final_message needs a final assistant message",
+        _ONE_TOKENIZE_INPUT))
 
     model: str | None = Field(None, json_schema_extra=SERVED_MODEL)
     prompt: str | None = None

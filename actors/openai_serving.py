@@ -161,7 +161,8 @@ class OpenAIServing:
         except httpx.HTTPError as e:
             raise ValueError(f"{type(e).__name__}: {e}") from e
 
-    def check_context(self, prompts: Sequence[Prompt], max_tokens: int | None) -> None:
+    def check_context(self, prompts: Sequence[Prompt], max_tokens: int | None, max_tokens_param: str = "max_tokens"
+                      ) -> None:
         for p in prompts:
             if not p.ids:
                 raise bad_request("the prompt is empty", "prompt")
@@ -170,7 +171,10 @@ class OpenAIServing:
                 raise bad_request(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                     f"{wanted} tokens ({p.num_tokens} in the prompt, {max_tokens or 0} for the completion). Please "
-                    "reduce the length of the prompt or of the completion.", "prompt", "context_length_exceeded")
+                    "reduce the length of the prompt or of the completion.",
+                    # max_tokens that leave no room for any prompt are the field to fix
+                    max_tokens_param if (max_tokens or 0) >= self.max_model_len else "prompt",
+                    "context_length_exceeded")
         if self.admission is not None:  # a full queue answers 429 before a stream starts
             self.admission.check([p.num_tokens for p in prompts])
 

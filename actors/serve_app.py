@@ -33,7 +33,7 @@ from k3ray.actors.prefix_affinity_router import PREFIXES_STAT, PrefixAffinityRou
 from k3ray.actors.replica_bundles import replica_bundles
 from k3ray.actors.replica_grpc_bind import bind_replica_grpc_to
 from k3ray.actors.serve_config import ServeArgs
-from k3ray.actors.serve_engine import build_engine, engine_config, local_engine
+from k3ray.actors.serve_engine import build_engine, context_limit_note, engine_config, local_engine
 from k3ray.actors.serve_metrics import ServeMetrics
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
@@ -71,6 +71,9 @@ class K3Server:
         self.serving = OpenAIServing(self.engine, tokenizer, server.served_model_name, self.metrics, admission)
         logger.info("K3Server ready: %s, max_model_len %d, %s", self.args.server.served_model_name,
                     self.engine.info.max_model_len, type(self.executor or self.engine).__name__)
+        note = context_limit_note(self.args, self.engine.info)
+        if note is not None:
+            logger.warning(note)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.serving, metrics=self.metrics, health=self.health,

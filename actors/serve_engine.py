@@ -6,11 +6,15 @@ model, or as the pipeline's VisionEncoder actor."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from k3ray.actors.serve_config import ServeArgs
+from k3ray.actors.serve_flags import flag
 from k3ray.config import VisionConfig
-from k3ray.engine.config import EngineConfig, SpeculativeConfig
+from k3ray.engine.config import DEFAULT_CACHE_BYTES, EngineConfig, SpeculativeConfig
+from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.executor import Executor, LocalExecutor
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.media import VisionEncoderFn, local_vision_encoder
@@ -89,3 +93,18 @@ def local_engine(args: ServeArgs) -> LLMEngine:
     """build_engine for an undistributed model, as an engine process's factory (picklable by name)."""
     assert not args.distributed, "a pipeline's actors belong to the replica, not to an engine process"
     return build_engine(args)[0]
+
+
+def context_limit_note(args: ServeArgs, info: EngineInfo) -> str | None:
+    """The start-up warning when the cache, not the model or --max-model-len, sets max_model_len
+    (None when it does not): both numbers and the flags that raise it."""
+    positions = info.model_config.max_position_embeddings
+    if args.engine.max_model_len is not None or info.max_model_len >= positions:
+        return None
+    mb = 1024**2
+    now = args.engine.cache_memory_mb or DEFAULT_CACHE_BYTES / mb
+    reserve = f" beside the long-context reserve of {info.reserve_tokens} tokens" if info.reserve_tokens else ""
+    return (f"max_model_len is {info.max_model_len} tokens, below the model's {positions} "
+            f"(max_position_embeddings): that is all the cache holds{reserve}. {flag('cache_memory_mb')} "
+            f"{math.ceil(info.full_context_cache_bytes / mb)} (now {now:g}) raises it to {positions}, and a lower "
+            f"{flag('max_num_seqs')} leaves more of the cache to it; {flag('max_model_len')} only lowers it.")

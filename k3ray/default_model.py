@@ -13,7 +13,7 @@ import torch
 
 from k3ray.config import k3_tiny_config
 
-DEFAULT_NAME = "k3-tiny-v3"  # bump when the tiny model's definition changes
+DEFAULT_NAME = "k3-tiny-v4"  # bump when the tiny model's definition (its tokenizer files too) changes
 DEFAULT_SEED = 0
 
 

@@ -47,18 +47,11 @@ def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 
 def size_cache(config: EngineConfig, layout: CacheLayout) -> CacheGeometry:
     """State slots for max_num_seqs sequences (+ scratch + snapshots); blocks from the budget."""
-    min_slots = config.max_num_seqs * config.slots_per_seq
-    slots = config.num_state_slots or min_slots + config.snapshot_slots
-    if slots < min_slots:
-        raise ValueError(
-            f"num_state_slots={slots} is below max_num_seqs * slots_per_seq = {config.max_num_seqs} * "
-            f"{config.slots_per_seq} = {min_slots}"
-        )
+    slots = _num_state_slots(config)
     if config.num_blocks is not None:
         return CacheGeometry(slots, config.num_blocks, config.block_size)
     budget = config.cache_memory_bytes or DEFAULT_CACHE_BYTES
-    slot_cost = sum(state_slot_bytes(c, d) for c, d in layout)
-    block_cost = sum(block_bytes(c, config.block_size, d) for c, d in layout)
+    slot_cost, block_cost = _costs(config, layout)
     left = budget - slots * slot_cost
     if block_cost == 0:
         raise ValueError("the model has no MLA layer; the paged cache needs at least one")
@@ -68,6 +61,34 @@ def size_cache(config: EngineConfig, layout: CacheLayout) -> CacheGeometry:
             f"MLA block of {block_cost} B; raise it or lower max_num_seqs / num_state_slots"
         )
     return CacheGeometry(slots, left // block_cost, config.block_size)
+
+
+def cache_bytes_for(config: EngineConfig, layout: CacheLayout, num_tokens: int) -> int:
+    """The cache_memory_bytes that size_cache turns into room for one sequence of num_tokens beside
+    the long-context reserve (the engine's default max_model_len)."""
+    slot_cost, block_cost = _costs(config, layout)
+    spec, size = config.num_speculative_tokens, config.block_size
+    blocks = -(-(num_tokens + spec) // size)
+    while (short := num_tokens - (blocks * size - spec - config.reserve_tokens(blocks * size - spec))) > 0:
+        blocks += -(-short // size)
+    return _num_state_slots(config) * slot_cost + blocks * block_cost
+
+
+def _num_state_slots(config: EngineConfig) -> int:
+    min_slots = config.max_num_seqs * config.slots_per_seq
+    slots = config.num_state_slots or min_slots + config.snapshot_slots
+    if slots < min_slots:
+        raise ValueError(
+            f"num_state_slots={slots} is below max_num_seqs * slots_per_seq = {config.max_num_seqs} * "
+            f"{config.slots_per_seq} = {min_slots}"
+        )
+    return slots
+
+
+def _costs(config: EngineConfig, layout: CacheLayout) -> tuple[int, int]:
+    """Bytes of one state slot and of one MLA block, summed over the layout's models."""
+    slot_cost = sum(state_slot_bytes(c, d) for c, d in layout)
+    return slot_cost, sum(block_bytes(c, config.block_size, d) for c, d in layout)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from k3ray.engine.cache_manager import CacheManager, size_cache
+from k3ray.engine.cache_manager import CacheManager, cache_bytes_for, size_cache
 from k3ray.engine.config import EngineConfig
 from k3ray.engine.executor import Executor
 from k3ray.engine.logits_processors import process_logits
@@ -71,6 +71,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # the cache budget whose blocks would hold the model's whole context (for a server's start-up note)
+        self.full_context_cache_bytes = cache_bytes_for(config, layout, self.model_config.max_position_embeddings)
         self.vocab_size = self.model_config.vocab_size
         spare_slots = geometry.num_state_slots - config.max_num_seqs * config.slots_per_seq
         self.cache = CacheManager(geometry, layout, config.enable_prefix_caching, config.snapshot_interval,

@@ -1,8 +1,10 @@
 """The tokenizer interface the rest of k3ray uses, with the logic every byte-level vocabulary shares.
 
-A vocabulary has three kinds of ids below `vocab_size`: base ids `[0, num_base_tokens)` that stand
-for byte strings, named special tokens (`special_tokens`, all at or above `num_base_tokens`), and
-reserved ids (everything else), which decode to "" and read as `<|reserved_{id}|>`.
+A vocabulary has two kinds of ids below `vocab_size`: base ids `[0, num_base_tokens)` that stand
+for byte strings, and special tokens (`special_tokens`) at and above `num_base_tokens`. As in Kimi's
+`tokenization_kimi.py`, a special slot the vocabulary does not name is the special token
+`<|reserved_token_{id}|>`: it decodes to that text (or to nothing with skip_special_tokens), and the
+Hugging Face files list it, so both tokenizers know every id.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Tokenizer(ABC):
                 )
         if len(set(special_tokens.values())) != len(special_tokens):
             raise ValueError("two special tokens share one id")
+        special_tokens = with_reserved_tokens(special_tokens, num_base_tokens, vocab_size)
         self.name = name
         self.vocab_size = vocab_size
         self.num_base_tokens = num_base_tokens
@@ -106,26 +109,22 @@ class Tokenizer(ABC):
         return "".join(parts)
 
     def token_piece(self, token_id: int) -> bytes | str:
-        """Bytes for a base id, the token string for a special id, "" for a reserved id."""
+        """Bytes for a base id, the token string for a special (or reserved) id."""
         token_id = self._checked_id(token_id)
         if token_id < self.num_base_tokens:
             return self._base_token_bytes(token_id)
-        return self._special_by_id.get(token_id, "")
+        return self._special_by_id[token_id]
 
     def is_special(self, token_id: int) -> bool:
-        """Whether token_id is a named special token (reserved ids are not)."""
-        return self._checked_id(token_id) in self._special_by_id
+        """Whether token_id is a special token (every id from num_base_tokens up is one)."""
+        return self._checked_id(token_id) >= self.num_base_tokens
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """Readable pieces: a base token's text with undecodable bytes as `<0xAB>`, specials by name."""
         pieces = []
         for token_id in ids:
             piece = self.token_piece(token_id)
-            if isinstance(piece, bytes):
-                piece = _readable_bytes(piece)
-            elif not piece:
-                piece = sp.reserved_token(token_id)
-            pieces.append(piece)
+            pieces.append(_readable_bytes(piece) if isinstance(piece, bytes) else piece)
         return pieces
 
     # -- chat -------------------------------------------------------------------------------------
@@ -192,6 +191,20 @@ class Tokenizer(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size})"
+
+
+def with_reserved_tokens(named: dict[str, int], num_base_tokens: int, vocab_size: int) -> dict[str, int]:
+    """`named` plus `<|reserved_token_{id}|>` for each special slot it leaves unnamed."""
+    taken = set(named.values())
+    out = dict(named)
+    for token_id in range(num_base_tokens, vocab_size):
+        if token_id in taken:
+            continue
+        name = sp.reserved_token(token_id)
+        if name in out:
+            raise ValueError(f"special token {name!r} has id {out[name]}, but that name is reserved for id {token_id}")
+        out[name] = token_id
+    return out
 
 
 def _readable_bytes(piece: bytes) -> str:

@@ -35,5 +35,5 @@ END_OF_TURN_TOKENS = (IM_END, END_OF_MSG)
 
 
 def reserved_token(token_id: int) -> str:
-    """Readable piece for an id with no meaning in the vocabulary."""
-    return f"<|reserved_{token_id}|>"
+    """The special token of a slot the vocabulary leaves unnamed (Kimi's `tokenization_kimi.py` spelling)."""
+    return f"<|reserved_token_{token_id}|>"

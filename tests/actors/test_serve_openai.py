@@ -12,6 +12,7 @@ import torch
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
+from k3ray.actors.openai_logprobs import token_text  # noqa: E402
 from k3ray.api import K3  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -120,6 +121,43 @@ def test_echo_logprobs_as_lm_eval_reads_them(client, k3):
     r0 = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=1)
     assert len(r0.choices[0].logprobs.tokens) == len(ids) and r0.usage.completion_tokens == 0
     assert r0.choices[0].text == "The capital of Ray"
+
+
+def test_logprob_tokens_are_text(client, k3):
+    """OpenAI's rule (vLLM's too): a token's text, `bytes:\\xNN` for part of a UTF-8 character, a
+    special token's name; text_offset indexes the choice's text."""
+    tok = k3.tokenizer
+    ids = [*"né".encode(), tok.eos_token_id, 300]  # 300: a reserved slot
+    r = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=3, logprobs=5, temperature=0)
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert lp.tokens[:5] == ["n", "bytes:\\xc3", "bytes:\\xa9", "[EOS]", "<|reserved_token_300|>"]
+    assert choice.text.startswith("né[EOS]<|reserved_token_300|>") and lp.text_offset[:5] == [0, 1, 1, 2, 7]
+    names = {token_text(tok, i) for i in range(tok.vocab_size)}
+    assert all(set(top) <= names and len(top) >= 5 for top in lp.top_logprobs[1:])
+    for token, offset, next_offset in zip(lp.tokens[5:], lp.text_offset[5:], [*lp.text_offset[6:], len(choice.text)]):
+        assert token in names and 0 <= next_offset - offset <= max(len(token), 1)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "é"}], max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    for item in [*content, *(top for item in content for top in item.top_logprobs)]:
+        (token_id,) = [i for i in range(tok.vocab_size) if token_text(tok, i) == item.token]
+        piece = tok.token_piece(token_id)
+        assert item.bytes == list(piece if isinstance(piece, bytes) else piece.encode())
+
+
+def test_top_logprobs_zero_and_max_tokens_zero_are_served(client):
+    """What the OpenAPI document allows is served: top_logprobs 0 without logprobs (as vLLM and OpenAI
+    take it), max_tokens 0 without echo (OpenAI's minimum is 0: nothing is generated)."""
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                          logprobs=False, top_logprobs=0)
+    assert chat.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       top_logprobs=1)
+    assert e.value.body["param"] == "top_logprobs"
+    empty = client.completions.create(model=MODEL, prompt=["Hi", "there"], max_tokens=0, logprobs=1)
+    assert [c.text for c in empty.choices] == ["", ""] and empty.usage.completion_tokens == 0
+    assert {c.finish_reason for c in empty.choices} == {"length"} and empty.choices[0].logprobs.tokens == []
 
 
 def test_generated_logprobs_are_top_ranked_when_greedy(client):

@@ -6,6 +6,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from k3ray.checkpoints import checkpoint_dir
 from k3ray.tokenizer import ByteTokenizer, load_tokenizer
 from k3ray.tokenizer import special as sp
 
@@ -13,6 +14,7 @@ TEXTS = [
     "hello world", "héllo wörld, ça va? 世界你好", "emoji 😀👍🏽 and flags 🇫🇷", "tabs\tand\n\nnewlines  ", "",
     " leading and trailing spaces ", "\x00\x01\x7f control bytes", "<|im_end|>[PAD] specials [BOS]mid[EOS]",
     "<|im_user|>user<|im_middle|>hi<|im_end|><|media_start|>", "a <|reserved_300|> stays text", "[PAD", "<|im_",
+    "<|reserved_token_300|> is a special token",
 ]
 CHATS = [
     ([{"role": "user", "content": "hi"}], {}),
@@ -70,3 +72,29 @@ def test_config_carries_the_template(pair):
     config = json.loads((directory / "tokenizer_config.json").read_text())
     assert config["chat_template"] == ours.chat_template and sp.IM_ASSISTANT in ours.chat_template
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+@pytest.fixture(scope="module", params=[None, "k3-tiny-niah"], ids=["default", "k3-tiny-niah"])
+def checkpoint_pair(request):
+    """The tokenizer k3ray serves a checkpoint with, and the one `AutoTokenizer` loads from its files."""
+    path = checkpoint_dir(request.param)
+    return load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+
+
+def test_every_id_decodes_alike(checkpoint_pair):
+    """Every id of the vocabulary, reserved ones included, exists in the HF files and decodes there as
+    the server decodes it (as vLLM would serve these files)."""
+    ours, hf = checkpoint_pair
+    assert len(hf) == ours.vocab_size
+    everything = list(range(ours.vocab_size))
+    for skip in (False, True):
+        for token_id in everything:
+            assert hf.decode([token_id], skip_special_tokens=skip) == ours.decode([token_id], skip), (token_id, skip)
+        assert hf.decode(everything, skip_special_tokens=skip) == ours.decode(everything, skip)
+    assert hf.convert_tokens_to_ids([ours.decode([i]) for i in everything[256:]]) == everything[256:]
+
+
+def test_checkpoint_text_encodes_alike(checkpoint_pair):
+    ours, hf = checkpoint_pair
+    for text in TEXTS + [ours.decode([ours.vocab_size - 2]) + " after a reserved token"]:
+        assert hf.encode(text, add_special_tokens=False) == ours.encode(text, allow_special=True), text

@@ -90,7 +90,7 @@ def test_bpe_merges_and_pre_tokenization(bpe):
     # a word's piece starts with the space before it; " h" is no merge, so the space stays a byte
     assert bpe.encode("hellohello") == [HELLO, HELLO] and bpe.encode("hello hello") == [HELLO, ord(" "), HELLO]
     assert bpe.convert_ids_to_tokens([HELLO, HALF_SHI, SHI, 268, 271]) == [
-        "hello", "<0xE4><0xB8>", "世", "<|im_end|>", "<|reserved_271|>",
+        "hello", "<0xE4><0xB8>", "世", "<|im_end|>", "<|reserved_token_271|>",
     ]
 
 
@@ -113,8 +113,13 @@ def test_special_strings_parse_only_when_allowed(tok):
 
 
 def test_reserved_ids_and_bad_ids(tok):
+    """An unnamed special slot is the special token Kimi's tokenizer names it: its text, parsed back."""
     reserved = 271 if isinstance(tok, TiktokenTokenizer) else 300
-    assert tok.decode([reserved]) == "" and tok.convert_ids_to_tokens([reserved]) == [f"<|reserved_{reserved}|>"]
+    name = f"<|reserved_token_{reserved}|>"
+    assert tok.decode([reserved]) == name and tok.convert_ids_to_tokens([reserved]) == [name]
+    assert tok.is_special(reserved) and tok.decode([65, reserved], skip_special_tokens=True) == "A"
+    assert tok.encode(name, allow_special=True) == [reserved] and reserved not in tok.encode(name)
+    assert set(tok.special_tokens.values()) == set(range(tok.num_base_tokens, tok.vocab_size))
     for bad in (-1, tok.vocab_size, 2.5):
         with pytest.raises(ValueError, match="token id"):
             tok.decode([bad])
@@ -310,6 +315,10 @@ def test_load_errors(tmp_path):
     clash = dict(TIKTOKEN_CONFIG, added_tokens_decoder={"100": {"content": "[BOS]"}, "267": {"content": "[EOS]"}})
     with pytest.raises(ValueError, match=r"'\[BOS\]' has id 100"):
         load_tokenizer(write_tiktoken_dir(tmp_path / "clash", config=clash))
+    named_slot = {**TIKTOKEN_CONFIG["added_tokens_decoder"], "278": {"content": "<|reserved_token_279|>"}}
+    named_slot = dict(TIKTOKEN_CONFIG, added_tokens_decoder=named_slot)
+    with pytest.raises(ValueError, match=re.escape("'<|reserved_token_279|>' has id 278, but that name is reserved")):
+        load_tokenizer(write_tiktoken_dir(tmp_path / "named-slot", config=named_slot))
     no_eos = dict(TIKTOKEN_CONFIG, eos_token="<|endoftext|>")
     with pytest.raises(ValueError, match=re.escape("eos_token '<|endoftext|>' is not one of")):
         load_tokenizer(write_tiktoken_dir(tmp_path / "no-eos", config=no_eos))
