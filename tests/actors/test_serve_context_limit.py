@@ -34,4 +34,4 @@ def test_a_cache_capped_context_is_said_with_the_flag_that_raises_it(name, cappe
 def test_no_note_when_the_model_or_the_flag_sets_it():
     model = checkpoint_dir(None)
     assert context_limit_note(*started(model, max_model_len=4096)) is None
-    assert context_limit_note(*started(model, cache_memory_mb=300)) is None
+    assert context_limit_note(*started(model, cache_memory_mb=320)) is None
