@@ -26,6 +26,9 @@ def engine_config(args: ServeArgs) -> EngineConfig:
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
         max_model_len=e.max_model_len, block_size=e.block_size, cache_memory_bytes=cache_bytes,
         enable_prefix_caching=e.enable_prefix_caching, speculative=spec, seed=e.seed, enforce_eager=e.enforce_eager,
+        max_schema_bytes=e.max_schema_bytes, grammar_compile_timeout_s=e.grammar_compile_timeout_s,
+        grammar_compile_memory_bytes=int(e.grammar_compile_memory_mb * 1024**2),
+        grammar_cache_bytes=int(e.grammar_cache_mb * 1024**2), grammar_compile_workers=e.grammar_compile_workers,
     )
 
 

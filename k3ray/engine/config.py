@@ -40,6 +40,12 @@ class EngineConfig:
     Prefix caching snapshots the KDA / conv state every `snapshot_interval` blocks and at the last
     block boundary of each prompt; prefill chunks end at those boundaries. On CUDA, decode-only
     steps replay CUDA graphs captured per batch-size bucket unless `enforce_eager`.
+
+    Structured outputs: a JSON schema's text is at most `max_schema_bytes`; its grammar compiles in
+    one of `grammar_compile_workers` worker processes, each compile within `grammar_compile_timeout_s`
+    and `grammar_compile_memory_bytes` (the worker's growth), else the request fails with a
+    ValueError naming the limit; compiled grammars stay in an LRU cache of `grammar_cache_bytes`
+    (a grammar larger than the whole cache is refused).
     """
 
     max_num_seqs: int = 64
@@ -55,12 +61,21 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs: decode steps run eagerly too (always so on the CPU)
+    max_schema_bytes: int = 1024**2
+    grammar_compile_timeout_s: float = 30.0
+    grammar_compile_memory_bytes: int = 1024**3
+    grammar_cache_bytes: int = 256 * 1024**2
+    grammar_compile_workers: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "snapshot_interval"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "snapshot_interval", "max_schema_bytes",
+                     "grammar_compile_memory_bytes", "grammar_cache_bytes", "grammar_compile_workers"):
             _positive(name, getattr(self, name))
+        timeout = self.grammar_compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
         for name in ("max_model_len", "num_blocks", "num_state_slots", "cache_memory_bytes"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))

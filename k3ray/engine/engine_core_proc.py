@@ -73,6 +73,7 @@ def serve_engine(engine, conn: Connection) -> None:
                 for request_id in step.aborted:
                     encoder.forget(request_id)
                     errors.append((request_id, error))
+            errors.extend((request_id, portable(e)) for request_id, e in engine.take_failed())
         if outputs or errors:
             try:
                 send(conn, ("step", [encoder.encode(o) for o in outputs], errors, engine.get_stats()))
@@ -91,7 +92,10 @@ def main(argv: list[str]) -> int:
         send(conn, ("failed", portable(e)))
         return 1
     send(conn, ("ready", EngineInfo.of(engine), engine.get_stats()))
-    serve_engine(engine, conn)
+    try:
+        serve_engine(engine, conn)
+    finally:
+        engine.close()
     return 0
 
 

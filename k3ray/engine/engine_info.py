@@ -16,9 +16,10 @@ class EngineInfo:
     model_config: ModelConfig
     supports_media: bool
     multimodal: MultiModalConfig
+    max_schema_bytes: int | None = None
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         """engine: an LLMEngine."""
         return cls(engine.max_model_len, engine.vocab_size, engine.model_config, engine.supports_media,
-                   engine.multimodal)
+                   engine.multimodal, engine.config.max_schema_bytes)
