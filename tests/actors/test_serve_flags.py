@@ -32,6 +32,8 @@ FLAGS = {
     "--max-queued-tokens", "--max-queue-wait-s", "--max-request-pixels", "--device", "--enforce-eager",
     "--redundant-experts", "--rebalance-steps", "--autoscale-policy", "--autoscale-ttft-ms", "--autoscale-queued-tokens",
     "--request-router", "--affinity-max-imbalance", "--routing-stats-period-s", "--stage-transport",
+    "--max-schema-bytes", "--grammar-compile-timeout-s", "--grammar-compile-memory-mb", "--grammar-cache-mb",
+    "--grammar-compile-workers",
 }
 GROUPS = [LAUNCH_GROUP, "server", "model", "parallel", "engine", "autoscaling", "routing", "media"]
 
