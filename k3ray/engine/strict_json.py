@@ -53,12 +53,15 @@ def checked_schema(text: str, max_bytes: int | None = None) -> object:
                          "(max_schema_bytes)")
     try:
         schema = json.loads(text)
+        patterns = schema_with_placeholders(schema)[1]
     except json.JSONDecodeError as e:
         raise ValueError(f"structured_outputs.json is not a usable JSON schema: not JSON ({e})") from None
+    except RecursionError:
+        raise ValueError("structured_outputs.json is not a usable JSON schema: it nests too deeply") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs.json is not a usable JSON schema: a schema is an object or a "
                          f"boolean, got {type(schema).__name__}")
-    for pattern in schema_with_placeholders(schema)[1]:
+    for pattern in patterns:
         pattern_ebnf(pattern)
     return schema
 
@@ -113,10 +116,11 @@ def pattern_ebnf(pattern: str) -> str:
     `pattern` whole; anchors are allowed only where they are implied (at its start and end)."""
     try:
         tree = _parser.parse(pattern)
-    except re.error as e:
-        raise ValueError(f"structured_outputs.json: pattern {pattern!r} is not a regular expression: {e}") from None
-    try:
         return _sequence(list(tree), tree.state.flags, True, True)
+    except (re.error, OverflowError) as e:
+        raise ValueError(f"structured_outputs.json: pattern {pattern!r} is not a regular expression: {e}") from None
+    except RecursionError:
+        raise ValueError(f"structured_outputs.json: pattern {pattern!r} nests too deeply") from None
     except _Unsupported as e:
         raise ValueError(f"structured_outputs.json: pattern {pattern!r} {e}") from None
 
@@ -127,11 +131,11 @@ class _Unsupported(Exception):
 
 def _check_bounds(pattern: str, schema: dict) -> None:
     low, high = schema.get("minLength", 0), schema.get("maxLength")
-    if low == 0 and high is None:
-        return
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high or 0)) or (low, high) == (0, None):
+        return  # no bounds, or bounds xgrammar refuses
     try:
         width_low, width_high = _parser.parse(pattern).getwidth()
-    except re.error:
+    except (re.error, OverflowError, RecursionError):
         return  # reported by pattern_ebnf
     if width_low < low or (high is not None and width_high > high):
         raise ValueError(
@@ -231,6 +235,7 @@ def _python_classes(ascii_only: bool) -> dict[str, Ranges]:
 def _set_ebnf(ranges: Ranges) -> str:
     """The JSON text of one character of the set: a raw character, or the escape of one that may
     not stand raw (JSON's short escapes where it has one, else \\u00XX)."""
+    ranges = _intersect(ranges, UNICODE)
     if not ranges:
         raise _Unsupported("has a character class that matches nothing")
     choices = []

@@ -106,7 +106,9 @@ class StructuredOutputs:
         return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=stops))
 
     def mask(self, logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
-        """logits [M, V] fp32, in place: each constrained row's forbidden tokens to -inf."""
+        """logits [M, V] fp32, in place: each constrained row's forbidden tokens to -inf, and every
+        token holding a control byte (a row that would have no token left keeps its grammar's mask,
+        so no step fails on it; build_grammar's grammars never get there)."""
         rows = [i for i, s in enumerate(states) if s is not None]
         if not rows:
             return
@@ -115,7 +117,7 @@ class StructuredOutputs:
             states[i].matcher.fill_next_token_bitmask(bitmask, i)
         grammar = bitmask[rows]  # [R, W]
         strict = grammar & self.strict_tokens
-        stuck = (strict == 0).all(dim=1, keepdim=True)  # only a control byte could go on: never for our grammars
+        stuck = (strict == 0).all(dim=1, keepdim=True)  # [R, 1]
         bitmask[rows] = torch.where(stuck, grammar, strict)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)
 
