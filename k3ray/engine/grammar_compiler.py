@@ -43,13 +43,15 @@ MiB = 1024**2
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    timeout_s: float = 30.0
-    memory_bytes: int = 1024**3  # the worker's growth while it compiles
-    cache_bytes: int = 256 * MiB  # every compiled grammar kept; no one grammar may be larger
-    workers: int = 2
+    timeout_s: float
+    memory_bytes: int  # the worker's growth while it compiles
+    cache_bytes: int  # every compiled grammar kept; no one grammar may be larger
+    workers: int
 
     @classmethod
-    def of(cls, config: EngineConfig) -> GrammarLimits:
+    def of(cls, config: EngineConfig | None = None) -> GrammarLimits:
+        """The config's limits (EngineConfig's defaults without one)."""
+        config = config or EngineConfig()
         return cls(config.grammar_compile_timeout_s, config.grammar_compile_memory_bytes, config.grammar_cache_bytes,
                    config.grammar_compile_workers)
 
@@ -74,7 +76,7 @@ class GrammarJob:
 
 class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, limits: GrammarLimits | None = None) -> None:
-        self.limits = limits or GrammarLimits()
+        self.limits = limits or GrammarLimits.of()
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
@@ -115,7 +117,8 @@ class GrammarCompiler:
                     job.finish(compiled=self._cache[key])
                 elif key in self._failed:
                     self._failed.move_to_end(key)
-                    job.finish(error=self._failed[key])
+                    error = self._failed[key]
+                    job.finish(error=type(error)(*error.args))  # its own: a raised error collects a traceback
                 else:
                     self._jobs[key] = job
                     self._queue.append(job)

@@ -31,7 +31,7 @@ def finished(job: GrammarJob, timeout_s: float = 120) -> GrammarJob:
 @pytest.fixture(scope="module")
 def compiler():
     tok = ByteTokenizer(512)
-    grammars = GrammarCompiler(tok, 512, tok.stop_token_ids, GrammarLimits(workers=1))
+    grammars = GrammarCompiler(tok, 512, tok.stop_token_ids, dataclasses.replace(GrammarLimits.of(), workers=1))
     yield grammars
     grammars.close()
 
