@@ -28,6 +28,7 @@ from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
 from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.structured_output import check_grammar  # xgrammar: imported with the server, not on a request
 from k3ray.sampling_params import SamplingParams, StructuredOutputsParams
 from k3ray.tokenizer.chat import MEDIA_PART_KINDS, normalize_chat_role
 from k3ray.vision import ProcessedMedia, expand_placeholders
@@ -203,8 +204,6 @@ class OpenAIServing:
             )
             params.validate(self.vocab_size, self.max_model_len, self.info.max_schema_bytes)
             if params.structured_outputs is not None:  # so a schema xgrammar cannot use is a 400 before any stream
-                from k3ray.engine.structured_output import check_grammar
-
                 check_grammar(params.structured_outputs)
         except ValueError as e:
             raise request_error(e) from e

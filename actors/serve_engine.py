@@ -79,6 +79,7 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
     try:
         engine = LLMEngine(executor, engine_config(args), tokenizer, vision_encoder=vision_encoder,
                            multimodal=multimodal)
+        engine.prepare_structured_outputs()  # now, not beside the steps of the first constrained request
     except BaseException:
         shutdown = getattr(executor, "shutdown", None)
         if shutdown is not None:

@@ -162,7 +162,7 @@ class GrammarCompiler:
         try:
             while (job := self._next_job()) is not None:
                 try:
-                    outputs = self._load_outputs()
+                    outputs = self.load()
                     if worker is not None and not worker.alive:  # stopped at a limit, or crashed
                         self._stop_worker(worker)
                         worker = None
@@ -194,7 +194,9 @@ class GrammarCompiler:
             job.started = True
             return job
 
-    def _load_outputs(self):
+    def load(self):
+        """Import xgrammar and build the StructuredOutputs of this vocabulary, once (the first compile
+        does it on its watching thread unless it was done before)."""
         with self._outputs_lock:
             if self._outputs is None:
                 from k3ray.engine.structured_output import StructuredOutputs, encoded_vocab

@@ -177,6 +177,12 @@ class LLMEngine:
             self._close_grammars = weakref.finalize(self, self._grammars.close)
         return self._grammars
 
+    def prepare_structured_outputs(self) -> None:
+        """Load xgrammar and this vocabulary as it sees it (seconds), as a server does at start: on the
+        first constrained request that load would otherwise share the GIL with the steps of others."""
+        if self.tokenizer is not None:
+            self.grammars.load()
+
     def close(self) -> None:
         """Stop the grammar workers (the engine's only processes of its own); requests waiting for a
         grammar fail, and a later constrained request starts new workers."""

@@ -116,6 +116,7 @@ def llm_engine(micro_model):
     config = EngineConfig(num_blocks=64, block_size=8, grammar_compile_timeout_s=COMPILE_TIMEOUT_S,
                           grammar_cache_bytes=CACHE_BYTES)
     llm_engine = LLMEngine(LocalExecutor(micro_model), config, ByteTokenizer(512))
+    llm_engine.prepare_structured_outputs()
     yield llm_engine
     llm_engine.close()
 
@@ -124,15 +125,12 @@ def test_the_engine_steps_other_requests_while_one_waits_for_its_grammar(llm_eng
     llm_engine.add_request("large", "Pick:", SamplingParams(max_tokens=8, structured_outputs=enum_schema(50_000)))
     llm_engine.add_request("plain", "Hi", SamplingParams(max_tokens=4, ignore_eos=True))
     assert llm_engine.get_stats().num_waiting == 2
-    finals, failed, plain_s = {}, [], None
-    start = time.monotonic()
+    finals, failed = {}, []
     while llm_engine.has_unfinished_requests():
         finals.update((out.request_id, out) for out in llm_engine.step() if out.finished)
         failed += llm_engine.take_failed()
-        if plain_s is None and "plain" in finals:
-            plain_s = time.monotonic() - start
-            assert not failed  # the large one still waits
-    assert len(finals["plain"].outputs[0].token_ids) == 4 and plain_s < COMPILE_TIMEOUT_S
+        assert "plain" in finals or not failed  # the plain one finishes while the large one compiles
+    assert len(finals["plain"].outputs[0].token_ids) == 4
     ((request_id, error),) = failed
     assert request_id == "large" and isinstance(error, ValueError)
     assert f"within {COMPILE_TIMEOUT_S} s (grammar_compile_timeout_s)" in str(error)
