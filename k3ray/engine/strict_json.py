@@ -38,6 +38,7 @@ CATEGORIES = {  # category -> (Python's one-character regex, ECMA-262's set), an
 LINE_TERMINATORS: Ranges = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]  # what `.` skips (ECMA; Python: \n)
 PLACEHOLDER = "^k3raypattern{}$"
 PLACEHOLDER_IN_EBNF = re.compile(r'Regex\("\^k3raypattern(\d+)\$"(?:, json_string=true)?\)')
+HEX_ESCAPE = re.compile(r"\\(\\|x([0-9a-fA-F]{2}))")  # an escaped backslash, or xgrammar's \xHH
 XGRAMMAR_BOUNDED_CHAR = r'[^\"\\\r\n]'  # xgrammar's character of a string with minLength / maxLength
 STRICT_BOUNDED_CHAR = r'[^\0-\x1f\"\\]'
 NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "required", "dependentRequired"})
@@ -101,11 +102,17 @@ def schema_with_placeholders(schema: object) -> tuple[object, list[str]]:
 
 def splice(ebnf: str, patterns: list[str]) -> str:
     """xgrammar's EBNF of a schema_with_placeholders schema -> the strict grammar: each placeholder
-    replaced by its pattern's EBNF, and bounded-length strings kept from control characters."""
+    replaced by its pattern's EBNF, and bounded-length strings kept from control characters. xgrammar
+    prints U+0080-U+00FF as \\xHH, which its parser reads greedily ("\\xe9a" is U+0E9A, not "éa"):
+    those become \\u00HH."""
     def pattern(match: re.Match) -> str:
         return f"({pattern_ebnf(patterns[int(match.group(1))])})"
 
-    out = PLACEHOLDER_IN_EBNF.sub(pattern, ebnf).replace(XGRAMMAR_BOUNDED_CHAR, STRICT_BOUNDED_CHAR)
+    def escape(match: re.Match) -> str:
+        return match.group(0) if match.group(2) is None else f"\\u00{match.group(2)}"
+
+    out = HEX_ESCAPE.sub(escape, ebnf)
+    out = PLACEHOLDER_IN_EBNF.sub(pattern, out).replace(XGRAMMAR_BOUNDED_CHAR, STRICT_BOUNDED_CHAR)
     assert "k3raypattern" not in out, "xgrammar printed a pattern placeholder in an unknown form"
     return out
 

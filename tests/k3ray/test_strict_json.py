@@ -60,6 +60,15 @@ def test_a_pattern_takes_its_strings_json_escaped_and_never_raw(outputs, pattern
         assert not accepts(outputs, compiled, raw)
 
 
+def test_latin_1_characters_before_hex_digits_stay_themselves(outputs):
+    """xgrammar prints é as \\xe9, which its own parser reads on into "\\xe9a" = U+0E9A (found by the
+    hypothesis test below: const "éa" gave "ບ")."""
+    compiled = outputs.compile(StructuredOutputsParams(json={"enum": ["éa", "ÿf0", "kÀ"]}))
+    for value in ("éa", "ÿf0", "kÀ"):
+        assert accepts(outputs, compiled, json.dumps(value, ensure_ascii=False))
+    assert not accepts(outputs, compiled, '"ບ"')
+
+
 def test_bounded_strings_take_no_raw_control_character(outputs):
     compiled = outputs.compile(string_schema(minLength=1, maxLength=3))
     assert accepts(outputs, compiled, '"é😀x"') and not accepts(outputs, compiled, '"é😀xy"')
