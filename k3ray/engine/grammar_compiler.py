@@ -12,8 +12,9 @@ that runs past the time limit or whose memory grows past the limit is killed (an
 the next schema), and the request fails with a ValueError naming the limit. The compiled grammar
 comes back serialized and is deserialized on the watching thread (xgrammar releases the GIL), then
 kept in an LRU cache bounded in bytes. Requests that want the same schema share one compile; a
-schema that failed is remembered, so asking again fails at once. The vocabulary and xgrammar
-itself (seconds to import) are loaded on the first watching thread too, never on the step's.
+schema that failed is remembered, so asking again fails at once. xgrammar (seconds to import)
+and the vocabulary as it sees it are loaded by `load()`, which a server calls at start, else by
+the first watching thread: never on the step's.
 """
 
 from __future__ import annotations

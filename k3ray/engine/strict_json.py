@@ -41,6 +41,7 @@ PLACEHOLDER_IN_EBNF = re.compile(r'Regex\("\^k3raypattern(\d+)\$"(?:, json_strin
 HEX_ESCAPE = re.compile(r"\\(\\|x([0-9a-fA-F]{2}))")  # an escaped backslash, or xgrammar's \xHH
 XGRAMMAR_BOUNDED_CHAR = r'[^\"\\\r\n]'  # xgrammar's character of a string with minLength / maxLength
 STRICT_BOUNDED_CHAR = r'[^\0-\x1f\"\\]'
+LITERAL_OR_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[(\^?)((?:\\.|[^\]\\])*)\]')  # EBNF "..." or [...]
 NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "required", "dependentRequired"})
 SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})
 
@@ -102,9 +103,9 @@ def schema_with_placeholders(schema: object) -> tuple[object, list[str]]:
 
 def splice(ebnf: str, patterns: list[str]) -> str:
     """xgrammar's EBNF of a schema_with_placeholders schema -> the strict grammar: each placeholder
-    replaced by its pattern's EBNF, and bounded-length strings kept from control characters. xgrammar
-    prints U+0080-U+00FF as \\xHH, which its parser reads greedily ("\\xe9a" is U+0E9A, not "éa"):
-    those become \\u00HH."""
+    replaced by its pattern's EBNF, bounded-length strings kept from control characters and negated
+    classes from surrogates. xgrammar prints U+0080-U+00FF as \\xHH, which its parser reads on
+    into the hex digits after it ("\\xe9a" is U+0E9A, not "éa"): those become \\u00HH."""
     def pattern(match: re.Match) -> str:
         return f"({pattern_ebnf(patterns[int(match.group(1))])})"
 
@@ -114,7 +115,15 @@ def splice(ebnf: str, patterns: list[str]) -> str:
     out = HEX_ESCAPE.sub(escape, ebnf)
     out = PLACEHOLDER_IN_EBNF.sub(pattern, out).replace(XGRAMMAR_BOUNDED_CHAR, STRICT_BOUNDED_CHAR)
     assert "k3raypattern" not in out, "xgrammar printed a pattern placeholder in an unknown form"
-    return out
+    return LITERAL_OR_CLASS.sub(_without_surrogates, out)
+
+
+def _without_surrogates(match: re.Match) -> str:
+    """A negated class leaves the surrogates out too: xgrammar's complement takes them in, as bytes
+    (ED A0-BF ..) that are no UTF-8. String literals and plain classes stay as they are."""
+    if match.group(1) != "^":
+        return match.group(0)
+    return f"[^{match.group(2)}\\ud800-\\udfff]"
 
 
 # patterns -----------------------------------------------------------------------------------------

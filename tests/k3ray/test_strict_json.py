@@ -69,6 +69,22 @@ def test_latin_1_characters_before_hex_digits_stay_themselves(outputs):
     assert not accepts(outputs, compiled, '"ບ"')
 
 
+@pytest.mark.parametrize("params, prefix", [
+    (string_schema(maxLength=1), b'"'), (string_schema(), b'"'), (string_schema(pattern="^[^a]$"), b'"'),
+    (StructuredOutputsParams(json_object=True), b'{"'),
+    (StructuredOutputsParams(json={"type": "object", "additionalProperties": {"type": "string"}}), b'{"k": "'),
+])
+def test_strings_take_no_surrogate_bytes(outputs, params, prefix):
+    """A surrogate's UTF-8-like bytes (ED A0-BF ..) are no UTF-8: xgrammar's negated classes took
+    them (found by the hypothesis test below: maxLength 1 gave three U+FFFD)."""
+    state = outputs.new_state(outputs.compile(params))
+    for byte in prefix + b"\xed":
+        assert state.matcher.accept_token(byte)
+    logits = torch.zeros(1, 512)
+    outputs.mask(logits, [state])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == list(range(0x80, 0xA0))
+
+
 def test_bounded_strings_take_no_raw_control_character(outputs):
     compiled = outputs.compile(string_schema(minLength=1, maxLength=3))
     assert accepts(outputs, compiled, '"é😀x"') and not accepts(outputs, compiled, '"é😀xy"')
