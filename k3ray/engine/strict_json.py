@@ -114,7 +114,7 @@ def splice(ebnf: str, patterns: list[str]) -> str:
 
     out = HEX_ESCAPE.sub(escape, ebnf)
     out = PLACEHOLDER_IN_EBNF.sub(pattern, out).replace(XGRAMMAR_BOUNDED_CHAR, STRICT_BOUNDED_CHAR)
-    assert "k3raypattern" not in out, "xgrammar printed a pattern placeholder in an unknown form"
+    assert 'Regex("^k3raypattern' not in out, "xgrammar printed a pattern placeholder in an unknown form"
     return LITERAL_OR_CLASS.sub(_without_surrogates, out)
 
 

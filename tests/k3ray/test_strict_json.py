@@ -106,6 +106,11 @@ def test_patterns_a_grammar_cannot_enforce_are_refused_without_xgrammar(schema, 
         checked_schema(json.dumps(schema))
 
 
+def test_a_schema_may_hold_the_placeholder_text(outputs):
+    compiled = outputs.compile(StructuredOutputsParams(json={"enum": ["^k3raypattern0$", "k3raypattern"]}))
+    assert accepts(outputs, compiled, '"^k3raypattern0$"')
+
+
 def test_length_bounds_a_pattern_implies_are_kept():
     checked_schema(json.dumps({"type": "string", "pattern": "^[a-z]{2,3}$", "minLength": 1, "maxLength": 3}))
     # a property named "pattern" is no pattern
