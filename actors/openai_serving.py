@@ -28,6 +28,7 @@ from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
 from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.structured_output import check_grammar  # xgrammar: imported with the server, not on a request
 from k3ray.sampling_params import SamplingParams, StructuredOutputsParams
 from k3ray.tokenizer.chat import MEDIA_PART_KINDS, normalize_chat_role
 from k3ray.vision import ProcessedMedia, expand_placeholders
@@ -205,12 +206,11 @@ class OpenAIServing:
                 best_of=getattr(req, "best_of", None),
                 structured_outputs=_structured_outputs(req.response_format),
             )
-            params.validate(self.vocab_size, self.max_model_len)
+            params.validate(self.vocab_size, self.max_model_len, self.info.max_schema_bytes)
+            if params.structured_outputs is not None:  # so a schema xgrammar cannot use is a 400 before any stream
+                check_grammar(params.structured_outputs)
         except ValueError as e:
-            error = from_value_error(e, PARAM_NAMES)
-            if error.param == "structured_outputs":  # the client named it response_format
-                error = bad_request(str(e), "response_format")
-            raise error from e
+            raise request_error(e) from e
         return params
 
     # running -----------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ class OpenAIServing:
                     if out.finished:
                         finals[i] = out
         except ValueError as e:
-            raise from_value_error(e, PARAM_NAMES) from e
+            raise request_error(e) from e
         return finals  # type: ignore[return-value]
 
 
@@ -267,8 +267,18 @@ def sse(payload: dict | str) -> str:
 
 
 def stream_error(e: BaseException) -> str:
-    err = bad_request(f"{type(e).__name__}: {e}") if isinstance(e, ValueError) else as_api_error(e)
+    err = request_error(e) if isinstance(e, ValueError) else as_api_error(e)
     return sse(err.body())
+
+
+def request_error(e: ValueError) -> APIError:
+    """A ValueError about the request -> 400 naming its field; the engine's structured_outputs (a
+    schema refused, or whose grammar could not be compiled) is the client's response_format."""
+    error = from_value_error(e, PARAM_NAMES)
+    if error.param == "structured_outputs":
+        return bad_request(str(e).replace("structured_outputs.json", "response_format.json_schema.schema", 1),
+                           "response_format")
+    return error
 
 
 def check_stream_options(req: SamplingFields) -> None:

@@ -119,6 +119,15 @@ class EngineSettings(Settings):
         "else torch's default")
     engine_process: bool = Field(True, description="run an undistributed model's engine in its own process (no GIL "
                                  "shared with HTTP work)")
+    max_schema_bytes: int = Field(1024**2, ge=1, description="largest response_format JSON schema (its JSON text); "
+                                  "a larger one answers 400")
+    grammar_compile_timeout_s: float = Field(30.0, gt=0, description="a response_format grammar compiles (in a "
+                                             "worker process, off the engine's step) within this, else 400")
+    grammar_compile_memory_mb: float = Field(1024.0, gt=0, description="memory a grammar compile may take (its "
+                                             "worker's growth), else 400")
+    grammar_cache_mb: float = Field(256.0, gt=0, description="compiled grammars kept per replica (least recently "
+                                    "used go first); a larger grammar answers 400")
+    grammar_compile_workers: int = Field(2, ge=1, description="grammar worker processes per replica (compiles at once)")
 
 
 class AutoscalingSettings(Settings):

@@ -31,6 +31,9 @@ def engine_config(args: ServeArgs) -> EngineConfig:
         max_model_len=e.max_model_len, block_size=e.block_size, cache_memory_bytes=cache_bytes,
         enable_prefix_caching=e.enable_prefix_caching, speculative=spec, seed=e.seed, enforce_eager=e.enforce_eager,
         long_prefill_token_threshold=e.long_prefill_token_threshold, long_context_reserve=e.long_context_reserve,
+        max_schema_bytes=e.max_schema_bytes, grammar_compile_timeout_s=e.grammar_compile_timeout_s,
+        grammar_compile_memory_bytes=int(e.grammar_compile_memory_mb * 1024**2),
+        grammar_cache_bytes=int(e.grammar_cache_mb * 1024**2), grammar_compile_workers=e.grammar_compile_workers,
     )
 
 
@@ -81,6 +84,7 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
     try:
         engine = LLMEngine(executor, engine_config(args), tokenizer, vision_encoder=vision_encoder,
                            multimodal=multimodal)
+        engine.prepare_structured_outputs()  # now, not beside the steps of the first constrained request
     except BaseException:
         shutdown = getattr(executor, "shutdown", None)
         if shutdown is not None:

@@ -97,8 +97,10 @@ class SamplingParams:
         """Whether the logits are changed before sampling (the penalties, logit_bias or a grammar)."""
         return self.has_penalties or bool(self.logit_bias) or self.structured_outputs is not None
 
-    def validate(self, vocab_size: int, max_model_len: int) -> None:
-        """Raise ValueError if these settings cannot run on a model with this vocabulary and context."""
+    def validate(self, vocab_size: int, max_model_len: int, max_schema_bytes: int | None = None) -> None:
+        """Raise ValueError if these settings cannot run on a model with this vocabulary and context.
+        A JSON schema gets the checks that need no grammar engine (its size, JSON, its patterns); the
+        engine's grammar worker finds the rest."""
         self._check_values()
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -106,10 +108,10 @@ class SamplingParams:
         bad = [t for t in self.logit_bias or {} if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
-        if self.structured_outputs is not None:
-            from k3ray.engine.structured_output import check_grammar
+        if self.structured_outputs is not None and self.structured_outputs.json is not None:
+            from k3ray.engine.strict_json import checked_schema
 
-            check_grammar(self.structured_outputs)
+            checked_schema(self.structured_outputs.json, max_schema_bytes)
         if self.max_tokens is not None and self.max_tokens >= max_model_len:
             raise ValueError(
                 f"max_tokens={self.max_tokens} can never be reached: at most max_model_len - 1 = "

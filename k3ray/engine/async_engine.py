@@ -78,6 +78,7 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self.engine.abort_request(request_id)
             self._streams.pop(request_id).put_nowait(RuntimeError("the engine was shut down"))
+        self.engine.close()
 
     # the loop ---------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -126,4 +127,6 @@ class AsyncEngine:
                 self._streams.pop(request_id).put_nowait(step.error)
             for out in step.outputs:
                 self._deliver(out)
+            for request_id, error in self.engine.take_failed():  # a grammar that could not be compiled
+                self._streams.pop(request_id).put_nowait(error)
             await asyncio.sleep(0)

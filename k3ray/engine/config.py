@@ -48,6 +48,12 @@ class EngineConfig:
     sequences together leave `long_context_reserve` tokens of the cache to the rest (None: a 16th of
     it once the cache holds four long prompts; 0: none). An explicit `max_model_len` above what the
     reserve leaves shrinks the reserve.
+
+    Structured outputs: a JSON schema's text is at most `max_schema_bytes`; its grammar compiles in
+    one of `grammar_compile_workers` worker processes, each compile within `grammar_compile_timeout_s`
+    and `grammar_compile_memory_bytes` (the worker's growth), else the request fails with a
+    ValueError naming the limit; compiled grammars stay in an LRU cache of `grammar_cache_bytes`
+    (a grammar larger than the whole cache is refused).
     """
 
     max_num_seqs: int = 64
@@ -65,13 +71,22 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs: decode steps run eagerly too (always so on the CPU)
     long_prefill_token_threshold: int = 16384
     long_context_reserve: int | None = None
+    max_schema_bytes: int = 1024**2
+    grammar_compile_timeout_s: float = 30.0
+    grammar_compile_memory_bytes: int = 1024**3
+    grammar_cache_bytes: int = 256 * 1024**2
+    grammar_compile_workers: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "snapshot_interval",
-                     "long_prefill_token_threshold"):
+                     "long_prefill_token_threshold", "max_schema_bytes", "grammar_compile_memory_bytes",
+                     "grammar_cache_bytes", "grammar_compile_workers"):
             _positive(name, getattr(self, name))
+        timeout = self.grammar_compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
         for name in ("max_model_len", "num_blocks", "num_state_slots", "cache_memory_bytes"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))

@@ -80,6 +80,7 @@ def serve_engine(engine, conn: Connection) -> None:
                 for request_id in step.aborted:
                     encoder.forget(request_id)
                     errors.append((request_id, error))
+            errors.extend((request_id, portable(e)) for request_id, e in engine.take_failed())
         if outputs or errors or time.monotonic() - last_sent >= STATS_EVERY_S:
             try:
                 send(conn, ("step", [encoder.encode(o) for o in outputs], errors, engine.get_stats()))
@@ -99,7 +100,10 @@ def main(argv: list[str]) -> int:
         send(conn, ("failed", portable(e)))
         return 1
     send(conn, ("ready", EngineInfo.of(engine), engine.get_stats()))
-    serve_engine(engine, conn)
+    try:
+        serve_engine(engine, conn)
+    finally:
+        engine.close()
     return 0
 
 

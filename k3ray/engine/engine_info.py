@@ -20,10 +20,11 @@ class EngineInfo:
     prefill_chunk_tokens: int  # the most of one prompt a step computes (a snapshot interval, or the budget)
     reserve_tokens: int  # cache tokens long sequences leave to shorter ones
     full_context_cache_bytes: int  # the cache_memory_bytes that would hold max_position_embeddings
+    max_schema_bytes: int | None = None
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         """engine: an LLMEngine."""
         return cls(engine.max_model_len, engine.vocab_size, engine.model_config, engine.supports_media,
                    engine.multimodal, engine.config.long_prefill_token_threshold, engine.prefill_chunk_tokens,
-                   engine.reserve_tokens, engine.full_context_cache_bytes)
+                   engine.reserve_tokens, engine.full_context_cache_bytes, engine.config.max_schema_bytes)

@@ -159,6 +159,8 @@ class LLM:
             while len(finals) < len(requests):
                 for out in self.engine.step(finished_only=True):
                     finals[out.request_id] = out
+                for _, error in self.engine.take_failed():  # a grammar that could not be compiled
+                    raise error
         except BaseException:
             for request in requests:
                 self.engine.abort_request(request.request_id)

@@ -12,6 +12,7 @@ import hashlib
 import operator
 import random
 import time
+import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
@@ -32,6 +33,8 @@ from k3ray.engine.spec import NgramProposer, verify
 from k3ray.engine.stats import EngineStats, StatsCollector
 from k3ray.sampling_params import SamplingParams
 from k3ray.vision import MediaConfig, ProcessedMedia
+
+GRAMMAR_WAIT_S = 0.02  # a step with nothing to run but requests waiting for grammars waits this long for a compile
 
 
 class LLMEngine:
@@ -83,7 +86,11 @@ class LLMEngine:
         self.reserve_tokens = reserve_blocks * geometry.block_size
         eos = {self.model_config.eos_token_id} | set(getattr(tokenizer, "stop_token_ids", ()))
         self.output_processor = OutputProcessor(frozenset(eos), max_model_len, tokenizer)
-        self._structured_outputs = None  # StructuredOutputs, built by the first constrained request
+        self._grammars = None  # GrammarCompiler, started by the first constrained request
+        self._close_grammars = None
+        self._structured_outputs = None  # its StructuredOutputs (matchers, masks), once a grammar is compiled
+        self._awaiting_grammar: dict[str, Request] = {}  # queued in the engine, not yet in the scheduler
+        self._failed: list[tuple[str, Exception]] = []
         self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec and spec.method == "ngram" else None
         self.vision_encoder = vision_encoder
         multimodal = multimodal or MultiModalConfig()
@@ -114,12 +121,22 @@ class LLMEngine:
         self.enqueue(self.make_request(request_id, prompt, params, arrival_time, media))
 
     def enqueue(self, request: Request) -> None:
-        """Queue a request built by make_request."""
+        """Queue a request built by make_request; one with a grammar reaches the scheduler once its
+        grammar is compiled (or fails then: see take_failed)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
+        if request.grammar is not None:
+            self._awaiting_grammar[request.request_id] = request
+            return
         for seq in request.seqs:
             self.scheduler.add(seq)
+
+    def take_failed(self) -> list[tuple[str, Exception]]:
+        """(request_id, error) of the requests that failed since the last call without an output: a
+        schema whose grammar could not be compiled (a ValueError naming why), or the compiler's fault."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def make_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                      arrival_time: float | None = None, media: Seq[ProcessedMedia] | None = None) -> Request:
@@ -140,28 +157,70 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
             )
-        params.validate(self.vocab_size, self.max_model_len)
+        params.validate(self.vocab_size, self.max_model_len, self.config.max_schema_bytes)
         request = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
                           prompt_media)
+        if params.structured_outputs is not None:
+            request.grammar = self._compile(params.structured_outputs)
         for i in range(params.num_sequences):
             detok = self.output_processor.new_detokenizer(params.skip_special_tokens)
             seq = Sequence(self._next_seq_id, request, i, self._generator(params.seed, i), detok)
-            if params.structured_outputs is not None:
-                seq.grammar = self.structured_outputs.new_state(params.structured_outputs, params.stop_token_ids)
             request.seqs.append(seq)
             self._next_seq_id += 1
         return request
 
-    @property
-    def structured_outputs(self):
-        """The grammar compiler over this engine's vocabulary (one compiled-grammar cache); imported on
-        first use, as xgrammar brings transformers (seconds) with it."""
-        if self._structured_outputs is None:
-            from k3ray.engine.structured_output import StructuredOutputs
+    def _compile(self, structured_outputs):
+        """Start compiling a request's grammar (a GrammarJob); a schema known to fail raises now."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the engine's tokenizer")
+        job = self.grammars.compile(structured_outputs)
+        if job.done and job.error is not None:
+            self.grammars.release(job)
+            raise job.error
+        return job
 
-            self._structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size,
-                                                         self.output_processor.eos_token_ids)
-        return self._structured_outputs
+    @property
+    def grammars(self):
+        """The grammar compiler over this engine's vocabulary (its workers and compiled-grammar cache),
+        started by the first constrained request."""
+        if self._grammars is None:
+            from k3ray.engine.grammar_compiler import GrammarCompiler, GrammarLimits
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.output_processor.eos_token_ids,
+                                             GrammarLimits.of(self.config))
+            self._close_grammars = weakref.finalize(self, self._grammars.close)
+        return self._grammars
+
+    def prepare_structured_outputs(self) -> None:
+        """Load xgrammar and this vocabulary as it sees it (seconds), as a server does at start: on the
+        first constrained request that load would otherwise share the GIL with the steps of others."""
+        if self.tokenizer is not None:
+            self.grammars.load()
+
+    def close(self) -> None:
+        """Stop the grammar workers (the engine's only processes of its own); requests waiting for a
+        grammar fail, and a later constrained request starts new workers."""
+        if self._close_grammars is not None:
+            self._close_grammars()
+            self._grammars = self._close_grammars = None
+
+    def _admit_grammars(self) -> None:
+        """Requests whose grammar is compiled go to the scheduler; those whose compile failed end."""
+        for request_id, request in list(self._awaiting_grammar.items()):
+            job = request.grammar
+            if not job.done:
+                continue
+            del self._awaiting_grammar[request_id]
+            self.grammars.release(job)
+            if job.error is not None:
+                del self.requests[request_id]
+                request.metrics.finished_time = time.monotonic()
+                self._failed.append((request_id, job.error))
+                continue
+            self._structured_outputs = self.grammars.outputs
+            for seq in request.seqs:
+                seq.grammar = self._structured_outputs.new_state(job.compiled, request.params.stop_token_ids)
+                self.scheduler.add(seq)
 
     def _attach_media(self, ids: list[int], media: Seq[ProcessedMedia]) -> tuple[list[int], PromptMedia]:
         if self.vision_encoder is None:
@@ -203,6 +262,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if self._awaiting_grammar.pop(request_id, None) is not None:
+            self.grammars.release(request.grammar)
         for seq in request.seqs:
             if not seq.finished:
                 self.scheduler.free(seq)
@@ -219,6 +280,7 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step -> the outputs of the requests it advanced (with finished_only, of those it
         finished: what a caller that keeps only final outputs needs, without building the rest)."""
+        self._admit_grammars()
         # a step's time runs from the previous one's end while requests remained: what a waiting
         # request sees (the caller's work between steps included); idle time is never counted
         self._stepped_at = time.monotonic()
@@ -227,6 +289,9 @@ class LLMEngine:
         if not out.seqs:
             # the oldest running sequence can always preempt the rest, so work means progress
             assert not self.scheduler.has_work(), "the scheduler made no progress"
+            if self._awaiting_grammar:  # only grammars to wait for: do so a moment instead of spinning
+                self.grammars.wait(GRAMMAR_WAIT_S)
+            self._busy_since = None  # nothing to compute: waiting here is idle time for the rates
             return []
         try:
             self._encode_media(out)
@@ -320,7 +385,7 @@ class LLMEngine:
         rows = process_logits(rows, [seq.params for seq in seqs], [seq.token_ids for seq in seqs],
                               [seq.prompt_len for seq in seqs])
         if any(seq.grammar is not None for seq in seqs):
-            self.structured_outputs.mask(rows, [seq.grammar for seq in seqs])
+            self._structured_outputs.mask(rows, [seq.grammar for seq in seqs])
         return rows
 
     def _append(self, sc: ScheduledSeq, logits: torch.Tensor, tokens: list[int]) -> None:
@@ -373,7 +438,7 @@ class LLMEngine:
         backlog = s.backlog()
         return self.stats.snapshot(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=len(s.waiting) + sum(len(r.seqs) for r in self._awaiting_grammar.values()),
             num_preemptions=s.num_preemptions,
             cache=self.cache.usage(),
             prefix_cache_queries=self.cache.prefix_queries,

@@ -95,6 +95,7 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.media = media  # images / videos behind the prompt's placeholder tokens
+        self.grammar = None  # the GrammarJob compiling its structured outputs' grammar
         self.params = params
         self.metrics = RequestMetrics(arrival_time)
         self.seqs: list[Sequence] = []

@@ -1,10 +1,16 @@
 """Grammar-constrained sampling with xgrammar (what vLLM, SGLang and TensorRT-LLM use).
 
-One `StructuredOutputs` per engine holds the tokenizer's vocabulary as xgrammar sees it and one
-compiled-grammar cache; each constrained sequence carries its own `GrammarState` (a matcher over
-the tokens it has accepted). Each step the rows of constrained sequences get their grammar's token
-mask (forbidden tokens to -inf) before sampling. A finished grammar allows only the stop tokens,
-so the output ends with "stop"; max_tokens reached first ends it with "length", as in vLLM.
+`StructuredOutputs` holds the vocabulary as xgrammar sees it: the grammar worker compiles
+grammars with it (grammar_compiler.py runs that off the engine's step), the engine turns each
+compiled grammar into one `GrammarState` per constrained sequence (a matcher over the tokens it
+has accepted). Each step the rows of constrained sequences get their grammar's token mask
+(forbidden tokens to -inf) before sampling. A finished grammar allows only the stop tokens, so
+the output ends with "stop"; max_tokens reached first ends it with "length", as in vLLM.
+
+Every output is strict JSON (RFC 8259): `build_grammar` writes patterns and bounded strings
+itself (strict_json.py), and the mask never allows a token holding a control byte (U+0000-U+001F),
+which compact JSON has nowhere (outside strings there is no whitespace but " ", inside them a
+control character is escaped), whatever the grammar engine would allow.
 
 JSON is generated without free whitespace between tokens (xgrammar's `any_whitespace=False`):
 models otherwise can emit whitespace until max_tokens. Special and reserved tokens are never
@@ -13,21 +19,35 @@ allowed inside the grammar, only as stop tokens at its end.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 
 import torch
 import xgrammar as xgr
 
+from k3ray.engine.strict_json import checked_schema, schema_with_placeholders, splice
 from k3ray.sampling_params import StructuredOutputsParams
 
+ANY_OBJECT = '{"type": "object"}'
 
-def check_grammar(params: StructuredOutputsParams) -> None:
-    """Raise ValueError if the schema cannot be turned into a grammar (no vocabulary needed)."""
+
+def build_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None = None) -> xgr.Grammar:
+    """The strict-JSON grammar of params (no vocabulary needed); ValueError if there is none."""
+    if params.json_object:  # any object (strict_mode=False: a bare {"type": "object"} would otherwise allow only {})
+        text, patterns, strict = ANY_OBJECT, [], False
+    else:
+        schema, patterns = schema_with_placeholders(checked_schema(params.json, max_schema_bytes))
+        text, strict = json.dumps(schema), True
     try:
-        if params.json is not None:
-            xgr.Grammar.from_json_schema(params.json, any_whitespace=False)
+        converted = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=strict)
+        return xgr.Grammar.from_ebnf(splice(str(converted), patterns))
     except RuntimeError as e:
         raise ValueError(f"structured_outputs.json is not a usable JSON schema: {_first_line(e)}") from None
+
+
+def check_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None = None) -> None:
+    """Raise ValueError if the schema cannot be turned into a grammar (no vocabulary needed)."""
+    build_grammar(params, max_schema_bytes)
 
 
 def encoded_vocab(tokenizer, vocab_size: int) -> list[bytes]:
@@ -57,38 +77,58 @@ class GrammarState:
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
-        if tokenizer is None:
-            raise ValueError("structured outputs need the engine's tokenizer")
-        self.vocab_size = vocab_size
+    def __init__(self, vocab: list[bytes], stop_token_ids: Iterable[int]) -> None:
+        """vocab: encoded_vocab(tokenizer, vocab_size)."""
+        self.vocab_size = len(vocab)
         self.stop_token_ids = sorted(stop_token_ids)
-        info = xgr.TokenizerInfo(encoded_vocab(tokenizer, vocab_size), xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=self.stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)  # caches each compiled grammar
+        self.info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                                      stop_token_ids=self.stop_token_ids)
+        self.strict_tokens = _bitmask([not any(b < 0x20 for b in piece) for piece in vocab])  # [ceil(V / 32)] int32
+        self._compiler: xgr.GrammarCompiler | None = None
 
-    def new_state(self, params: StructuredOutputsParams, extra_stop_token_ids: Sequence[int] = ()) -> GrammarState:
-        """A fresh matcher; the grammar may end with the engine's stop tokens or the request's."""
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """Compile here and now (the grammar worker's job; seconds to minutes for a large schema)."""
+        if self._compiler is None:
+            self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        grammar = build_grammar(params)
         try:
-            if params.json_object:
-                # any object (strict_mode=False: a bare {"type": "object"} would otherwise allow only {})
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                             strict_mode=False)
-            else:
-                compiled = self.compiler.compile_json_schema(params.json, any_whitespace=False)
+            return self._compiler.compile_grammar(grammar)
         except RuntimeError as e:
-            raise ValueError(f"structured_outputs.json is not a usable JSON schema: {_first_line(e)}") from None
+            raise ValueError(f"structured_outputs.json could not be compiled: {_first_line(e)}") from None
+
+    def deserialize(self, text: str) -> xgr.CompiledGrammar:
+        """A grammar the worker compiled (CompiledGrammar.serialize_json) over this vocabulary."""
+        return xgr.CompiledGrammar.deserialize_json(text, self.info)
+
+    def new_state(self, compiled: xgr.CompiledGrammar, extra_stop_token_ids: Sequence[int] = ()) -> GrammarState:
+        """A fresh matcher; the grammar may end with the engine's stop tokens or the request's."""
         stops = sorted(set(self.stop_token_ids) | set(extra_stop_token_ids))
         return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=stops))
 
     def mask(self, logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
-        """logits [M, V] fp32, in place: each constrained row's forbidden tokens to -inf."""
+        """logits [M, V] fp32, in place: each constrained row's forbidden tokens to -inf, and every
+        token holding a control byte (a row that would have no token left keeps its grammar's mask,
+        so no step fails on it; build_grammar's grammars never get there)."""
         rows = [i for i, s in enumerate(states) if s is not None]
         if not rows:
             return
         bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)  # [M, ceil(V / 32)] int32
         for i in rows:
             states[i].matcher.fill_next_token_bitmask(bitmask, i)
+        grammar = bitmask[rows]  # [R, W]
+        strict = grammar & self.strict_tokens
+        stuck = (strict == 0).all(dim=1, keepdim=True)  # [R, 1]
+        bitmask[rows] = torch.where(stuck, grammar, strict)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)
+
+
+def _bitmask(allowed: list[bool]) -> torch.Tensor:
+    """[V] bools -> xgrammar's packed token bitmask [ceil(V / 32)] int32 (token 32 w + b is bit b of word w)."""
+    words = (len(allowed) + 31) // 32
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[: len(allowed)] = torch.tensor(allowed, dtype=torch.int64)
+    packed = (bits.view(words, 32) << torch.arange(32)).sum(dim=1)  # [W] in [0, 2^32)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def _first_line(e: BaseException) -> str:

@@ -33,6 +33,8 @@ FLAGS = {
     "--redundant-experts", "--rebalance-steps", "--autoscale-policy", "--autoscale-ttft-ms", "--autoscale-queued-tokens",
     "--request-router", "--affinity-max-imbalance", "--routing-stats-period-s", "--stage-transport",
     "--long-prefill-token-threshold", "--long-context-reserve",
+    "--max-schema-bytes", "--grammar-compile-timeout-s", "--grammar-compile-memory-mb", "--grammar-cache-mb",
+    "--grammar-compile-workers",
 }
 GROUPS = [LAUNCH_GROUP, "server", "model", "parallel", "engine", "autoscaling", "routing", "media"]
 

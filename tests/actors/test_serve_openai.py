@@ -4,6 +4,7 @@ echoed prompt logprobs are checked against the tiny K3 run directly (`K3`, no en
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ MAX_MODEL_LEN = 512
 # fp32 on both sides; the server batches and chunks prefill differently, so sums of up to ~40
 # log-probs may differ in the last bits
 LOGPROB_ATOL = 1e-3
+GRAMMAR_COMPILE_TIMEOUT_S = 10  # a grammar that takes longer to compile answers 400
 
 
 
@@ -28,7 +30,8 @@ LOGPROB_ATOL = 1e-3
 def server(serve_app, tiny_checkpoint):
     return serve_app(
         {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
-         "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 8}}
+         "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 8,
+                    "grammar_compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S}}
     )
 
 
@@ -378,3 +381,54 @@ def test_parameters_the_model_cannot_honour_are_refused(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, **kw)
     assert e.value.body["param"] == param
+
+
+def test_a_request_beside_a_50000_string_enum_schema_finishes_in_under_5_s(client, k3server_replicas):
+    """The enum's grammar takes minutes and gigabytes to compile: it does so in a grammar worker, off
+    the engine's step, until a limit makes it a 400; the engine process does not grow."""
+    engines = [p for r in k3server_replicas() for p in r.children() if "engine_core_proc" in " ".join(p.cmdline())]
+    before = sum(p.memory_info().rss for p in engines)
+    schema = {"type": "object", "properties": {"color": {"enum": [f"color-{i:05d}" for i in range(50_000)]}},
+              "required": ["color"]}
+    with ThreadPoolExecutor(1) as pool:
+        large = pool.submit(client.chat.completions.create, model=MODEL, messages=[{"role": "user", "content": "Pick"}],
+                            max_tokens=16, response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "color", "schema": schema}})
+        time.sleep(3)  # the large schema has reached the engine
+        start = time.monotonic()
+        r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        took = time.monotonic() - start
+        assert r.usage.completion_tokens == 4 and took < 5, took
+        with pytest.raises(openai.BadRequestError) as e:
+            large.result(timeout=300)
+    assert e.value.body["param"] == "response_format"
+    message = e.value.body["message"]  # the time or the memory limit, whichever this machine's compile hits first
+    assert f"within {GRAMMAR_COMPILE_TIMEOUT_S} s (grammar_compile_timeout_s)" in message or \
+        "MiB of memory (grammar_compile_memory_bytes)" in message, message
+    after = sum(p.memory_info().rss for p in engines if p.is_running())
+    assert after - before < 100 * 1024**2, (before, after)
+
+
+STRICT = {"type": "object", "additionalProperties": False, "required": ["name", "code", "note"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "code": {"type": "string", "pattern": r'^[A-Z]\t"\\[\x00-\x1f]$'},
+                         "note": {"enum": ["tab\there", 'quote"', "nul\u0000"]}}}
+
+
+def test_structured_outputs_are_strict_json_that_validates(client):
+    import jsonschema
+
+    response_format = {"type": "json_schema", "json_schema": {"name": "strict", "schema": STRICT}}
+    for seed in range(3):  # a bounded string once let raw control characters through on 2 seeds of 3
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}], n=2, seed=seed,
+                                           max_tokens=160, response_format=response_format)
+        for choice in r.choices:
+            text = choice.message.content
+            assert choice.finish_reason == "stop" and not any(c < " " for c in text), text
+            jsonschema.validate(json.loads(text), STRICT)
+    with pytest.raises(openai.BadRequestError) as e:  # a lookahead no grammar can enforce
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}], max_tokens=4,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "string", "pattern": "(?=a)a"}}})
+    assert e.value.body["param"] == "response_format" and "lookaround" in e.value.body["message"]

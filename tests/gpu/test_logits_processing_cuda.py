@@ -26,13 +26,20 @@ def test_bias_and_penalties_on_cuda_equal_the_cpu():
 
 def test_grammar_mask_on_cuda_equals_the_cpu():
     pytest.importorskip("xgrammar")
-    from k3ray.engine.structured_output import StructuredOutputs
+    from k3ray.engine.structured_output import StructuredOutputs, encoded_vocab
 
     tok = ByteTokenizer(512)
-    grammars = StructuredOutputs(tok, 512, tok.stop_token_ids)
-    state = grammars.new_state(StructuredOutputsParams(json={"type": "boolean"}))
-    cpu, gpu = torch.zeros(2, 512), torch.zeros(2, 512, device=CUDA)
-    grammars.mask(cpu, [None, state])
-    grammars.mask(gpu, [None, state])
-    assert torch.equal(gpu.cpu(), cpu)
-    assert torch.isfinite(cpu[1]).nonzero().flatten().tolist() == [ord("f"), ord("t")]
+    grammars = StructuredOutputs(encoded_vocab(tok, 512), tok.stop_token_ids)
+    state = grammars.new_state(grammars.compile(StructuredOutputsParams(json={"type": "string", "maxLength": 2})))
+
+    def allowed() -> set[int]:
+        cpu, gpu = torch.zeros(2, 512), torch.zeros(2, 512, device=CUDA)
+        grammars.mask(cpu, [None, state])
+        grammars.mask(gpu, [None, state])
+        assert torch.equal(gpu.cpu(), cpu)
+        return set(torch.isfinite(cpu[1]).nonzero().flatten().tolist())
+
+    assert allowed() == {ord('"')}
+    state.accept(ord('"'))
+    inside = allowed()  # any character's first byte but a control byte's (the strict-JSON mask)
+    assert {ord('"'), ord("a"), 0xC3} <= inside and not inside & set(range(0x20))

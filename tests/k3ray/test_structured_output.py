@@ -37,8 +37,8 @@ def test_vocab_is_the_tokenizers_bytes_with_specials_empty():
 
 def test_the_mask_allows_exactly_the_grammars_next_tokens():
     tok = ByteTokenizer(512)
-    grammars = StructuredOutputs(tok, 512, tok.stop_token_ids)
-    state = grammars.new_state(StructuredOutputsParams(json={"type": "boolean"}))
+    grammars = StructuredOutputs(encoded_vocab(tok, 512), tok.stop_token_ids)
+    state = grammars.new_state(grammars.compile(StructuredOutputsParams(json={"type": "boolean"})))
     logits = torch.zeros(2, 512)
     grammars.mask(logits, [None, state])
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [ord("f"), ord("t")]
