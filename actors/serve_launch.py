@@ -7,17 +7,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import get_args
 
-import psutil
 import ray
 from ray import serve
-from ray._private import ray_constants
+from ray._private import ray_constants, services
 from ray.serve._private import build_app as serve_build_app
 from ray.serve._private import constants as serve_constants
 
@@ -75,21 +76,43 @@ def haproxy_wrapper() -> str:
 
 def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init_kwargs) -> bool:
     """Join `address`, or start a private local instance bound to loopback whose Serve uses
-    `ingress`; True if this call started Ray (so the caller should shut it down). A joined cluster
-    keeps the ingress its nodes were started with (cluster/ sets haproxy)."""
+    `ingress`; True if this call started Ray (so the caller should shut it down), False after
+    joining a cluster (the caller deletes only its own app). A joined cluster keeps the ingress
+    its nodes were started with (cluster/ sets haproxy)."""
     if ray.is_initialized():
         return False
-    if address is None:
-        prepare_local(ingress)
-        try:
-            _start_local({"include_dashboard": False, "_node_ip_address": LOOPBACK, **init_kwargs})
-        except BaseException:
-            remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
-            restore_environment()
-            raise
-    else:
+    if address is not None:
         connect(address=address, **init_kwargs)
+        return False
+    prepare_local(ingress)
+    try:
+        with own_process_groups():
+            _start_local({"include_dashboard": False, "_node_ip_address": LOOPBACK, **init_kwargs})
+    except BaseException:
+        remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
+        restore_environment()
+        raise
     return True
+
+
+@contextlib.contextmanager
+def own_process_groups() -> Iterator[None]:
+    """Ray's processes started in the block (GCS, raylet, agents; the raylet's workers lead groups
+    of their own already) each lead a process group: a signal to this process's group (`kill --
+    -PGID`, a terminal's Ctrl-C) reaches this process alone, which stops them in order. In this
+    process's group, SIGTERM killed GCS and the raylet first and left the workers running 60 s."""
+    original = services.ConsolePopen
+
+    class OwnGroupPopen(original):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
 
 
 # what prepare_local replaced, for restore_environment: variable -> old value (None: unset), and
@@ -179,29 +202,6 @@ def stop(owns_ray: bool = True, name: str = APP_NAME) -> None:
     if owns_ray:
         remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
         restore_environment()
-
-
-# Ray's agents (DashboardAgent, RuntimeEnvAgent) leave when they notice their raylet gone; on a loaded
-# machine two of them were still up 60 s after ray.shutdown() returned (the full suite's ctrl-c test)
-LEFTOVER_GRACE_S = 10.0
-
-
-def reap_leftovers(processes: list[psutil.Process], grace_s: float = LEFTOVER_GRACE_S) -> list[psutil.Process]:
-    """Wait up to grace_s for processes to exit, then SIGTERM the rest and, 5 s later, SIGKILL them:
-    a command that started Ray leaves none of its processes behind. -> the ones that had to be stopped,
-    in the order given (wait_procs answers in set order)."""
-    _, still_up = psutil.wait_procs(processes, timeout=grace_s)
-    alive = [p for p in processes if p in still_up]
-    for signal_them in (psutil.Process.terminate, psutil.Process.kill):
-        for p in alive:
-            try:
-                signal_them(p)
-            except psutil.NoSuchProcess:
-                pass
-        _, still = psutil.wait_procs(alive, timeout=5)
-        if not still:
-            break
-    return alive
 
 
 def shutdown_serve(timeout_s: float = 60.0) -> None:

@@ -100,8 +100,8 @@ def test_images_versions_and_wheel_install_agree():
     from k3ray.actors.serve_launch import DEFAULT_INGRESS, ingress_environment
 
     assert DEFAULT_INGRESS == "haproxy"
-    assert re.search(r"^\s*(ENV )?RAY_SERVE_ENABLE_HA_PROXY=(\S+)", docker, re.M).group(2) == \
-        ingress_environment("haproxy")["RAY_SERVE_ENABLE_HA_PROXY"]
+    for name in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"):  # the drain: stop in seconds
+        assert re.search(rf"^\s*(ENV )?{name}=(\S+)", docker, re.M).group(2) == ingress_environment("haproxy")[name]
     images = set()
     for name in ("kuberay/rayservice.yaml", "kuberay/rayjob-eval.yaml"):
         text = (CLUSTER / name).read_text()

@@ -166,7 +166,7 @@ def ctrl_c_stops_everything(proc, log_path, tree: list[psutil.Process]) -> None:
 def test_leftover_processes_are_waited_for_then_terminated_then_killed():
     """What `k3ray serve` does with Ray's processes after Ray's shutdown: one that exits within the grace is
     left to exit; one still up gets SIGTERM; one that ignores SIGTERM gets SIGKILL."""
-    from k3ray.actors.serve_launch import reap_leftovers
+    from k3ray.actors.serve_reaper import stop_processes as reap_leftovers
 
     code = "import signal, sys, time; {}print('ready', flush=True); time.sleep({})"
     quick, polite, stubborn = (
