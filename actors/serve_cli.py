@@ -1,7 +1,8 @@
 """`k3ray serve`: an OpenAI-compatible server for a K3 checkpoint on Ray Serve.
 
 With no flags: a private local Ray instance, the tiny default model, http://127.0.0.1:8000,
-until Ctrl-C (then Serve and Ray are shut down). The flags are the settings of
+until Ctrl-C or SIGTERM (then Serve and Ray are shut down; on a cluster joined with --address,
+only this app is deleted; if the command is killed, its reaper, serve_reaper.py, does that). The flags are the settings of
 k3ray.actors.serve_config, one per field; `--print-config` prints the Serve config YAML they make
 (the same app for `serve deploy`, as cluster/serve-config.yaml) instead of serving.
 """

@@ -87,7 +87,7 @@ def checkpoint_without_tokenizer(checkpoint: str, into: pathlib.Path) -> str:
 
 
 @pytest.mark.parametrize("case", ["no checkpoint", "no tokenizer", "layout too large"])
-def test_bad_checkpoint_or_layout_fails_fast_in_one_line(tiny_checkpoint, tmp_path, case):
+def test_bad_checkpoint_or_layout_fails_fast_in_one_line(tiny_checkpoint, tmp_path, case, serve_error_line):
     """Found before Ray or Serve start: the command exits with one `k3ray serve: error:` line in seconds
     (it used to start Serve and crash minutes later, or wait forever for resources)."""
     flags, words = {
@@ -96,15 +96,9 @@ def test_bad_checkpoint_or_layout_fails_fast_in_one_line(tiny_checkpoint, tmp_pa
         "layout too large": (["--model", tiny_checkpoint, "--pipeline", "2", "--expert-parallel", "2",
                               "--num-cpus", "2"], "CPUs, but 2 are available"),
     }[case]
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "k3ray.cli", "serve", *flags], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
-    took = time.monotonic() - t0
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
-    assert lines[0].startswith("k3ray serve: error: ") and words in lines[0], lines[0]
-    assert took < 10, took
-    assert "ray" not in out.stdout.lower()  # nothing was started
+    line, took, stdout = serve_error_line(flags, tmp_path)
+    assert words in line and took < 10, (line, took)
+    assert "ray" not in stdout.lower()  # nothing was started
 
 
 def test_command_module_does_not_import_ray(tmp_path):
