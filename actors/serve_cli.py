@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
 
 # Serve's graceful stop: requests in flight get this long to finish (an idle server stops in a few
 # seconds); then everything this command started is stopped outright
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 8.0
 
 
 def _stop_everything(owns_ray: bool, mark: str, reaper) -> bool:

@@ -190,18 +190,38 @@ def deploy(args: dict, host: str = "127.0.0.1", port: int = 8000, name: str = AP
 
 
 def stop(owns_ray: bool = True, name: str = APP_NAME) -> None:
-    """On a Ray instance this process started: shut Serve (replicas, their placement groups, the
-    proxy) and Ray down. On a joined cluster: delete only this app, then disconnect."""
+    """On a Ray instance this process started: delete the app `name` if it runs (its replicas
+    finish their requests in flight behind the proxy, which keeps running meanwhile), then shut
+    Serve (whatever still starts, the proxy) and Ray down. On a joined cluster: delete only this
+    app, then disconnect."""
     if not ray.is_initialized():
         return
+    if not owns_ray or app_status(name) == "RUNNING":  # an app still deploying has nothing in flight
+        delete_app(name)
     if owns_ray:
         shutdown_serve()
-    else:
-        serve.delete(name)
     ray.shutdown()
     if owns_ray:
         remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
         restore_environment()
+
+
+def app_status(name: str = APP_NAME) -> str | None:
+    """The status of the app `name` (RUNNING, DEPLOYING, ...), None without Serve or the app."""
+    from ray.serve.context import _get_global_client
+
+    if _get_global_client(raise_if_no_controller_running=False) is None:
+        return None
+    app = serve.status().applications.get(name)
+    return None if app is None else app.status.value
+
+
+def delete_app(name: str = APP_NAME) -> None:
+    """Delete the app `name`, waiting while its replicas drain (a Serve shutdown stopped HAProxy
+    first and cut the streams in flight) and then go with their placement groups; Serve and every
+    other app keep running. Nothing to do without Serve or the app."""
+    if app_status(name) is not None:
+        serve.delete(name)
 
 
 def shutdown_serve(timeout_s: float = 60.0) -> None:

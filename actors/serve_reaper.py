@@ -36,7 +36,7 @@ import psutil
 MARK = "K3RAY_SERVE_MARK"
 STOPPED = b"stopped\n"
 EXIT_GRACE_S = 2.0  # Ray's agents leave on their own once their raylet is gone; most within this
-TERM_GRACE_S = 3.0  # between SIGTERM and SIGKILL
+TERM_GRACE_S = 2.0  # between SIGTERM and SIGKILL
 APP_DELETE_TIMEOUT_S = 120.0  # the reaper gives up on an unreachable cluster
 RECORD_S = 1.0
 
@@ -119,7 +119,7 @@ class Reaper:
     def start(cls, mark: str, address: str | None = None, app: str | None = None) -> Reaper:
         """A reaper for the processes marked `mark` and, on the cluster at `address`, the app `app`."""
         read_end, write_end = os.pipe()  # not inherited: only this process holds the write end
-        command = [sys.executable, "-m", "k3ray.actors.serve_reaper", mark]
+        command = [sys.executable, "-m", "k3ray.actors.serve_reaper", mark, str(os.getpid())]
         if address is not None:
             assert app is not None, "a reaper on a joined cluster deletes the command's app: name it"
             command += ["--address", address, "--app", app]
@@ -148,17 +148,16 @@ class Reaper:
 
 
 def delete_app(address: str, app: str) -> None:
-    """Delete `app` (its replicas and their placement groups) on the cluster at `address`, leaving
-    every other app and Serve itself running."""
+    """Delete `app` on the cluster at `address` (serve_launch.delete_app), leaving every other app
+    and Serve itself running."""
     import ray
-    from ray import serve
 
+    from k3ray.actors import serve_launch
     from k3ray.actors.ray_connect import connect
 
     connect(address=address, log_to_driver=False)
     try:
-        if app in serve.status().applications:
-            serve.delete(app)
+        serve_launch.delete_app(app)
     finally:
         ray.shutdown()
 
@@ -181,11 +180,12 @@ def _watch_command(command: int, recorded: dict[int, float]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m k3ray.actors.serve_reaper", description=__doc__)
     parser.add_argument("mark")
+    parser.add_argument("command", type=int, help="the pid of the command (which died if it is not this parent)")
     parser.add_argument("--address")
     parser.add_argument("--app")
     args = parser.parse_args(argv)
     recorded: dict[int, float] = {}
-    if _watch_command(os.getppid(), recorded):
+    if os.getppid() == args.command and _watch_command(args.command, recorded):
         return 0
     from k3ray.actors.serve_isolation import remove_stale_runtime_dirs
 

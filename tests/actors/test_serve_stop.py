@@ -276,6 +276,34 @@ def haproxy_sockets(processes: list[psutil.Process]) -> list[str]:
     return [f"{c.type.name} {c.laddr.ip}:{c.laddr.port}" for p in found for c in p.net_connections("inet") if c.laddr]
 
 
+class InFlight:
+    """A streamed completion on a thread: `started` once its first chunk is in; then its finish
+    reason, or the error that cut it."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        import threading
+
+        self.url, self.max_tokens = url, max_tokens
+        self.started, self.finish, self.error = threading.Event(), None, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import json
+
+        body = {"prompt": "hi", "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        self.started.set()
+                        self.finish = json.loads(line[6:])["choices"][0].get("finish_reason") or self.finish
+        except httpx.HTTPError as e:
+            self.error = repr(e)
+        finally:
+            self.started.set()
+
+
 STOPS = {
     "SIGTERM to its process group": lambda pid: os.killpg(pid, signal.SIGTERM),
     "SIGKILL to the command": lambda pid: os.kill(pid, signal.SIGKILL),
@@ -289,7 +317,9 @@ SLOW_STOPS = ("SIGTERM to the command", "SIGINT to its process group")  # the sa
 def test_a_stopped_server_leaves_no_process_and_no_listener_within_15_s(tiny_checkpoint, tmp_path, stop):
     """SIGTERM to the group used to kill GCS and the raylet first: the proxy, controller, replica,
     engine process and HAProxy lived on for 60 s. The group case first idles ~20 s: its log must hold
-    no traceback, and HAProxy must hold no socket beyond loopback."""
+    no traceback, and HAProxy must hold no socket beyond loopback. A stream in flight when the stop
+    begins is finished (Serve's shutdown used to stop HAProxy first and cut it), unless the command
+    is killed."""
     with serving(tiny_checkpoint, tmp_path) as (proc, url, log_path, recorded):
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
         processes = server_processes(proc.pid, recorded)
@@ -302,12 +332,18 @@ def test_a_stopped_server_leaves_no_process_and_no_listener_within_15_s(tiny_che
             outside = [s for s in haproxy_sockets(processes) if s.split()[1].rsplit(":", 1)[0] not in LOOPBACK]
             assert not outside, outside
         recorded.update(record(proc.pid))
+        killed = stop == "SIGKILL to the command"
+        stream = InFlight(url, max_tokens=100)
+        assert stream.started.wait(60) and stream.error is None, stream.error
         t0 = time.monotonic()
         STOPS[stop](proc.pid)
         took = assert_gone_within(STOP_BOUND_S, t0, proc, recorded, ports)
-        assert proc.returncode == (-signal.SIGKILL if stop == "SIGKILL to the command" else 0), \
-            log_path.read_text()[-3000:]
-        print(f"{stop}: nothing of the server left after {took:.1f} s")
+        assert proc.returncode == (-signal.SIGKILL if killed else 0), log_path.read_text()[-3000:]
+        stream.thread.join(timeout=60)
+        if not killed:
+            assert (stream.finish, stream.error) == ("length", None), log_path.read_text()[-3000:]
+        print(f"{stop}: nothing of the server left after {took:.1f} s; the stream in flight: {stream.finish}, "
+              f"{stream.error}")
 
 
 # --------------------------------------------------------------------------- a joined cluster
