@@ -70,20 +70,25 @@ def local_resources(num_cpus: float | None) -> dict[str, float]:
 
 
 def check_port(host: str, port: int) -> None:
-    """A ValueError naming host:port if a server could not listen there now (something listens, or
-    the address is not this machine's). Bound as HAProxy and Serve's proxy bind (SO_REUSEADDR, no
-    SO_REUSEPORT), so a port left in TIME_WAIT passes and one another server listens on does not."""
+    """A ValueError naming host:port if a server could not listen there now: something listens on
+    one of the host's addresses, or none of them is this machine's. Bound as HAProxy and Serve's
+    proxy bind (SO_REUSEADDR, no SO_REUSEPORT), so a port left in TIME_WAIT passes and one another
+    server listens on does not."""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ValueError(f"--host {host!r} is not an address of this machine ({e.strerror})") from None
+    unusable = []
     for family, kind, proto, _, address in addresses:
+        shown = f"[{address[0]}]:{port}" if family == socket.AF_INET6 else f"{address[0]}:{port}"
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(address)
             except OSError as e:
-                shown = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
-                hint = ("stop what listens there or give another --port" if e.errno == errno.EADDRINUSE
-                        else "give another --host or --port")
-                raise ValueError(f"cannot listen on {shown}:{port}: {e.strerror}: {hint}") from None
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(f"cannot listen on {shown}: {e.strerror}: stop what listens there or give "
+                                     "another --port") from None
+                unusable.append(f"{shown}: {e.strerror}")
+    if len(unusable) == len(addresses):
+        raise ValueError(f"cannot listen on {'; '.join(unusable)}: give another --host or --port")
