@@ -213,9 +213,16 @@ def listening_ports(processes: list[psutil.Process]) -> set[int]:
     return ports
 
 
-def listeners_on(ports: set[int]) -> list[str]:
+def listeners_on(ports: set[int], since: float) -> list[str]:
+    """Listening sockets on `ports`, but for those of processes started after `since` (another
+    server on the machine may take a port the stopped one freed)."""
+    def older(pid: int | None) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return pid is None or psutil.Process(pid).create_time() <= since
+        return False
+
     return [f"{c.laddr.ip}:{c.laddr.port} (pid {c.pid})" for c in psutil.net_connections("inet")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port in ports]
+            if c.status == psutil.CONN_LISTEN and c.laddr.port in ports and older(c.pid)]
 
 
 def described(processes: list[psutil.Process]) -> list[str]:
@@ -261,7 +268,7 @@ def assert_gone_within(bound_s: float, t0: float, proc, recorded: dict[int, floa
     """Wait until the command, its processes and its listeners are gone; fail after bound_s from t0."""
     while True:
         left = server_processes(proc.pid, recorded) if proc.poll() is not None else [psutil.Process(proc.pid)]
-        listening = listeners_on(ports)
+        listening = listeners_on(ports, since=time.time() - (time.monotonic() - t0))
         if not left and not listening:
             return time.monotonic() - t0
         assert time.monotonic() - t0 < bound_s, (f"after {bound_s} s: processes {described(left)}, "
