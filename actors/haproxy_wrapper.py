@@ -17,6 +17,9 @@ then execs HAProxy with the same arguments:
   before the app exists, every path gets that 503 instead of a 404.
 - `<route prefix>metrics` goes to the replicas' metrics listeners (metrics_listener.py), outside
   their request queues, once one has announced its port in the server's runtime folder.
+- HAProxy's own log goes to an in-memory ring (`show events k3ray-log` on the admin socket)
+  instead of Ray's syslog target on loopback UDP (127.0.0.1:514, where nothing listens by
+  default): sending there bound a UDP socket per thread to 0.0.0.0. A syslog elsewhere is kept.
 HAProxy gets SIGKILL when the process that started it dies (a parent-death signal), so it never
 outlives its server and keeps a port.
 """
@@ -30,7 +33,7 @@ import re
 import signal
 import sys
 
-from k3ray.actors.metrics_listener import runtime_dir
+from k3ray.actors.metrics_listener import CHECK_PATH, runtime_dir
 from k3ray.actors.serve_isolation import alive
 
 _FRONTEND_BIND = re.compile(r"^frontend http_frontend\n\s*bind (\S+):\d+\s*$", re.MULTILINE)
@@ -50,6 +53,9 @@ _DEFAULT_BACKEND_404 = re.compile(r"^(backend default_backend\n)[ \t]*http-reque
 _ROUTER_FAILED = re.compile(r'(http-request return status 503 )content-type text/plain lf-string "Ingress request router '
                             r'failed: (%\[var\(txn\.ingress_request_router_failed\)\])"')
 _PORT_FILE = re.compile(r"^metrics-(.+)-(\d+)\.port$")
+_LOOPBACK_SYSLOG = re.compile(r"^([ \t]*log )(?:udp4?@|udp6@)?(?:127(?:\.\d+){3}|\[?::1\]?)(?::\d+)?(?=[ \t])", re.MULTILINE)
+_GLOBAL = re.compile(r"^global[ \t]*\n(?:(?:[ \t]+[^\n]*|[ \t]*)\n)*", re.MULTILINE)
+LOG_RING = "k3ray-log"
 UNAVAILABLE_FILE = "k3ray-unavailable.http"
 STARTING_FILE = "k3ray-starting.json"
 PROBE_PATHS = ("/health", "/ready")
@@ -65,12 +71,23 @@ def k3ray_config(config: str, unavailable_page: str | None = None, starting_page
     its own 502/503/504 with (unavailable_response()); `starting_page`: the JSON body of a 503 from
     the probes before a replica is ready."""
     config = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", _REUSE.sub(r"\1never", bind_like_frontend(config)))
-    config = with_json_router_failures(without_fallback(config))
+    config = with_log_ring(with_json_router_failures(without_fallback(config)))
     if unavailable_page is not None:
         config = with_error_pages(config, unavailable_page)
     if starting_page is not None:
         config = with_probes(config, starting_page)
     return config
+
+
+def with_log_ring(config: str) -> str:
+    """`log` lines that name a syslog on loopback UDP log to the ring LOG_RING instead (declared
+    after the global section); no UDP socket is opened."""
+    config, count = _LOOPBACK_SYSLOG.subn(rf"\1ring@{LOG_RING}", config)
+    if count == 0 or f"\nring {LOG_RING}\n" in config:
+        return config
+    ring = (f"ring {LOG_RING}\n    description \"HAProxy's log (k3ray-haproxy)\"\n    format rfc3164\n"
+            "    maxlen 2048\n    size 262144\n\n")
+    return _GLOBAL.sub(lambda m: m.group() + ("" if m.group().endswith("\n\n") else "\n") + ring, config, count=1)
 
 
 def with_json_router_failures(config: str) -> str:
@@ -104,7 +121,7 @@ def with_metrics_listeners(config: str, listeners: dict[str, list[int]]) -> str:
                       "{ method GET }\n")  # other methods get the app's 405
         servers = "".join(f"    server metrics-{port} 127.0.0.1:{port} check\n" for port in sorted(ports))
         backends.append(f"backend {name}\n    timeout connect 5s\n    timeout server 60s\n"
-                        f"    option httpchk GET /metrics\n    default-server inter 1s fall 2 rise 1\n{servers}")
+                        f"    option httpchk GET {CHECK_PATH}\n    default-server inter 1s fall 2 rise 1\n{servers}")
     first_route = _FIRST_ROUTE.search(config)
     if not routes or first_route is None:
         return config

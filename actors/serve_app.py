@@ -40,6 +40,7 @@ from k3ray.engine.engine_client import EngineClient
 from k3ray.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5
 
 
 @serve.deployment(name="K3Server")
@@ -130,6 +131,9 @@ def deployment_options(args: ServeArgs) -> dict:
         "max_ongoing_requests": server.max_ongoing_requests or args.engine.max_num_seqs,
         "max_queued_requests": server.max_queued_requests,
         "ray_actor_options": {"num_cpus": parallel.replica_cpus, "num_gpus": parallel.replica_gpus},
+        # a stopping replica counts its requests in flight this often (Serve: every 2 s), so an
+        # idle one stops at once and a busy one as soon as its last request ends
+        "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
     }
     if server.max_queued_requests >= 0:
         options["backpressure_config"] = BackpressureConfig(status_code=429, retry_after_s=server.retry_after_s)

@@ -7,17 +7,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import get_args
 
-import psutil
 import ray
 from ray import serve
-from ray._private import ray_constants
+from ray._private import ray_constants, services
 from ray.serve._private import build_app as serve_build_app
 from ray.serve._private import constants as serve_constants
 
@@ -75,21 +76,43 @@ def haproxy_wrapper() -> str:
 
 def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init_kwargs) -> bool:
     """Join `address`, or start a private local instance bound to loopback whose Serve uses
-    `ingress`; True if this call started Ray (so the caller should shut it down). A joined cluster
-    keeps the ingress its nodes were started with (cluster/ sets haproxy)."""
+    `ingress`; True if this call started Ray (so the caller should shut it down), False after
+    joining a cluster (the caller deletes only its own app). A joined cluster keeps the ingress
+    its nodes were started with (cluster/ sets haproxy)."""
     if ray.is_initialized():
         return False
-    if address is None:
-        prepare_local(ingress)
-        try:
-            _start_local({"include_dashboard": False, "_node_ip_address": LOOPBACK, **init_kwargs})
-        except BaseException:
-            remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
-            restore_environment()
-            raise
-    else:
+    if address is not None:
         connect(address=address, **init_kwargs)
+        return False
+    prepare_local(ingress)
+    try:
+        with own_process_groups():
+            _start_local({"include_dashboard": False, "_node_ip_address": LOOPBACK, **init_kwargs})
+    except BaseException:
+        remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
+        restore_environment()
+        raise
     return True
+
+
+@contextlib.contextmanager
+def own_process_groups() -> Iterator[None]:
+    """Ray's processes started in the block (GCS, raylet, agents; the raylet's workers lead groups
+    of their own already) each lead a process group: a signal to this process's group (`kill --
+    -PGID`, a terminal's Ctrl-C) reaches this process alone, which stops them in order. In this
+    process's group, SIGTERM killed GCS and the raylet first and left the workers running 60 s."""
+    original = services.ConsolePopen
+
+    class OwnGroupPopen(original):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
 
 
 # what prepare_local replaced, for restore_environment: variable -> old value (None: unset), and
@@ -167,41 +190,38 @@ def deploy(args: dict, host: str = "127.0.0.1", port: int = 8000, name: str = AP
 
 
 def stop(owns_ray: bool = True, name: str = APP_NAME) -> None:
-    """On a Ray instance this process started: shut Serve (replicas, their placement groups, the
-    proxy) and Ray down. On a joined cluster: delete only this app, then disconnect."""
+    """On a Ray instance this process started: delete the app `name` if it runs (its replicas
+    finish their requests in flight behind the proxy, which keeps running meanwhile), then shut
+    Serve (whatever still starts, the proxy) and Ray down. On a joined cluster: delete only this
+    app, then disconnect."""
     if not ray.is_initialized():
         return
+    if not owns_ray or app_status(name) == "RUNNING":  # an app still deploying has nothing in flight
+        delete_app(name)
     if owns_ray:
         shutdown_serve()
-    else:
-        serve.delete(name)
     ray.shutdown()
     if owns_ray:
         remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
         restore_environment()
 
 
-# Ray's agents (DashboardAgent, RuntimeEnvAgent) leave when they notice their raylet gone; on a loaded
-# machine two of them were still up 60 s after ray.shutdown() returned (the full suite's ctrl-c test)
-LEFTOVER_GRACE_S = 10.0
+def app_status(name: str = APP_NAME) -> str | None:
+    """The status of the app `name` (RUNNING, DEPLOYING, ...), None without Serve or the app."""
+    from ray.serve.context import _get_global_client
+
+    if _get_global_client(raise_if_no_controller_running=False) is None:
+        return None
+    app = serve.status().applications.get(name)
+    return None if app is None else app.status.value
 
 
-def reap_leftovers(processes: list[psutil.Process], grace_s: float = LEFTOVER_GRACE_S) -> list[psutil.Process]:
-    """Wait up to grace_s for processes to exit, then SIGTERM the rest and, 5 s later, SIGKILL them:
-    a command that started Ray leaves none of its processes behind. -> the ones that had to be stopped,
-    in the order given (wait_procs answers in set order)."""
-    _, still_up = psutil.wait_procs(processes, timeout=grace_s)
-    alive = [p for p in processes if p in still_up]
-    for signal_them in (psutil.Process.terminate, psutil.Process.kill):
-        for p in alive:
-            try:
-                signal_them(p)
-            except psutil.NoSuchProcess:
-                pass
-        _, still = psutil.wait_procs(alive, timeout=5)
-        if not still:
-            break
-    return alive
+def delete_app(name: str = APP_NAME) -> None:
+    """Delete the app `name`, waiting while its replicas drain (a Serve shutdown stopped HAProxy
+    first and cut the streams in flight) and then go with their placement groups; Serve and every
+    other app keep running. Nothing to do without Serve or the app."""
+    if app_status(name) is not None:
+        serve.delete(name)
 
 
 def shutdown_serve(timeout_s: float = 60.0) -> None:

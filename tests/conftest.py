@@ -239,3 +239,24 @@ def wait_until_serving():
             time.sleep(1)
 
     return wait
+
+
+@pytest.fixture
+def serve_error_line():
+    """`serve_error_line(flags, cwd) -> (line, seconds, stdout)`: `k3ray serve FLAGS` run in `cwd` must
+    exit 2 with one stderr line, `k3ray serve: error: ...`; that line, how long it took, its stdout."""
+    import subprocess
+    import sys
+    import time
+
+    def run(flags: list[str], cwd) -> tuple[str, float, str]:
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "k3ray.cli", "serve", *flags], capture_output=True, text=True,
+                             timeout=120, cwd=cwd)
+        took = time.monotonic() - t0
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+        assert lines[0].startswith("k3ray serve: error: "), lines[0]
+        return lines[0], took, out.stdout
+
+    return run

@@ -97,11 +97,13 @@ def test_images_versions_and_wheel_install_agree():
     assert base == ray.__version__
     assert re.search(r"pip install .*k3ray-\*\.whl", docker) and not re.search(r"^COPY \. ", docker, re.M)
     # every node of an image-built cluster starts Serve with k3ray serve's default ingress
-    from k3ray.actors.serve_launch import DEFAULT_INGRESS, ingress_environment
+    from k3ray.actors.serve_launch import DEFAULT_INGRESS, DRAIN_S, ingress_environment
 
     assert DEFAULT_INGRESS == "haproxy"
     assert re.search(r"^\s*(ENV )?RAY_SERVE_ENABLE_HA_PROXY=(\S+)", docker, re.M).group(2) == \
         ingress_environment("haproxy")["RAY_SERVE_ENABLE_HA_PROXY"]
+    # and k3ray serve's 2 s drain of a stopping replica (Serve's 30 s made deleting an idle app take 35 s)
+    assert re.search(r"^\s*(ENV )?RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=(\S+)", docker, re.M).group(2) == DRAIN_S
     images = set()
     for name in ("kuberay/rayservice.yaml", "kuberay/rayjob-eval.yaml"):
         text = (CLUSTER / name).read_text()

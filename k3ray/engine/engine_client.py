@@ -17,6 +17,7 @@ are refused with the same error.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import socket
 import subprocess
@@ -69,8 +70,8 @@ class EngineClient:
         parent_end, child_end = socket.socketpair()
         # started off the working directory: `python -m` puts it first on sys.path, and a k3ray
         # checkout there would shadow the installed package (its kernels, actors, evals live beside it)
-        process = subprocess.Popen([sys.executable, "-m", "k3ray.engine.engine_core_proc", str(child_end.fileno())],
-                                   pass_fds=(child_end.fileno(),), cwd=tempfile.gettempdir())
+        process = subprocess.Popen([sys.executable, "-m", "k3ray.engine.engine_core_proc", str(child_end.fileno()),
+                                    str(os.getpid())], pass_fds=(child_end.fileno(),), cwd=tempfile.gettempdir())
         child_end.close()
         conn = Connection(parent_end.detach())
         try:

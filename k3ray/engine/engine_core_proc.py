@@ -1,9 +1,10 @@
 """The engine's own process (started by EngineClient): build the engine, then loop — apply the
 requests and aborts that arrived, run one step, send its outputs as deltas with the engine's
 stats. It blocks on the socket while idle and exits when the socket closes (its parent is gone)
-or a shutdown message arrives.
+or a shutdown message arrives; a watcher thread ends it within a second of its parent's death
+even while it builds the engine or runs a long step (it never reads the socket then).
 
-    python -m k3ray.engine.engine_core_proc FD     # FD: this end of the parent's socketpair
+    python -m k3ray.engine.engine_core_proc FD PID   # FD: this end of the parent's socketpair, PID: the parent
 
 Messages in:  ("add", request_id, prompt, params, media, arrival_time) | ("abort", request_id)
               | ("shutdown",); the first message is the engine factory (a picklable callable).
@@ -14,8 +15,10 @@ Messages out: ("ready", EngineInfo, EngineStats) | ("failed", error) once, then
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -89,7 +92,20 @@ def serve_engine(engine, conn: Connection) -> None:
             last_sent = time.monotonic()
 
 
+PARENT_POLL_S = 0.5
+
+
+def exit_with_parent(parent: int) -> None:
+    """On a daemon thread: os._exit(1) once this process's parent is no longer `parent`."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
 def main(argv: list[str]) -> int:
+    # the parent's pid comes from the parent: it may have died while this process imported torch
+    parent = int(argv[1]) if len(argv) > 1 else os.getppid()
+    threading.Thread(target=exit_with_parent, args=(parent,), name="exit-with-parent", daemon=True).start()
     conn = Connection(int(argv[0]))
     try:
         factory = recv(conn)

@@ -1,20 +1,24 @@
 """A K3 checkpoint directory on disk (`config.json`, safetensors shards and their index) and the
 strict checks every load makes, whether it fills the text model or the vision tower: the
 directory and its index exist, no key is missing or unexpected, every shard file exists, and
-each tensor is in its shard with the exact expected shape."""
+each tensor is in its shard with the exact expected shape. `check_shard_files` reads every
+shard's header only (a truncated or corrupt file, a tensor the index misplaces), in seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from k3ray.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -43,9 +47,35 @@ def read_weight_map(path: str) -> dict[str, str]:
         return weight_map
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
+        with open_shard(single) as f:
             return {name: SINGLE_FILE for name in f.keys()}
     raise ValueError(f"{path}: holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+@contextlib.contextmanager
+def open_shard(file: str, framework: str = "numpy", device: str = "cpu") -> Iterator:
+    """safe_open(file), which checks the header (its length, its JSON, each tensor's dtype, shape
+    and offsets against the file's size) and reads no tensor; a ValueError naming the file if the
+    header is bad. framework "pt" reads torch tensors (importing torch); "numpy" suits the header."""
+    try:
+        handle = safe_open(file, framework=framework, device=device)
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a complete safetensors file ({e}); copy it again") from None
+    with handle as f:
+        yield f
+
+
+def check_shard_files(path: str, weight_map: dict[str, str]) -> None:
+    """Every shard file the index names exists, has a sound header (open_shard) and holds the
+    tensors the index places in it; reads headers only."""
+    for shard, names in sorted(group_by_shard(path, weight_map, weight_map, lambda name: name).items()):
+        file = os.path.join(path, shard)
+        with open_shard(file) as f:
+            held = set(f.keys())
+        absent = [name for name in names if name not in held]
+        if absent:
+            raise ValueError(f"{file} does not hold {len(absent)} tensor(s) that {INDEX_FILE} places there: "
+                             f"{_listing(absent)}")
 
 
 def read_config(path: str) -> ModelConfig:
@@ -85,9 +115,16 @@ def group_by_shard(
     for item in items:
         by_shard[weight_map[name(item)]].append(item)
     for shard in by_shard:
-        if not os.path.isfile(os.path.join(path, shard)):
-            raise ValueError(f"shard file {os.path.join(path, shard)} named in {INDEX_FILE} does not exist")
+        shard_file(path, shard)
     return dict(by_shard)
+
+
+def shard_file(path: str, shard: str) -> str:
+    """The path of `shard` (a file name from the index), once it exists."""
+    file = os.path.join(path, shard)
+    if not os.path.isfile(file):
+        raise ValueError(f"shard file {file} named in {INDEX_FILE} does not exist")
+    return file
 
 
 def copy_from_shard(
@@ -96,8 +133,10 @@ def copy_from_shard(
     """Copy each (checkpoint name, target tensor) of `targets` from the shard `file`, once the tensor
     is there with the target's exact shape and `check_dtype(name, tensor, target)` has not raised.
     Tensors are read one at a time straight onto the targets' device (never the whole shard)."""
+    import torch
+
     device = str(targets[0][1].device) if targets else "cpu"
-    with safe_open(file, framework="pt", device=device) as f, torch.no_grad():
+    with open_shard(file, "pt", device) as f, torch.no_grad():
         present = set(f.keys())
         for name, target in targets:
             if name not in present:

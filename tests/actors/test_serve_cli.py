@@ -87,7 +87,7 @@ def checkpoint_without_tokenizer(checkpoint: str, into: pathlib.Path) -> str:
 
 
 @pytest.mark.parametrize("case", ["no checkpoint", "no tokenizer", "layout too large"])
-def test_bad_checkpoint_or_layout_fails_fast_in_one_line(tiny_checkpoint, tmp_path, case):
+def test_bad_checkpoint_or_layout_fails_fast_in_one_line(tiny_checkpoint, tmp_path, case, serve_error_line):
     """Found before Ray or Serve start: the command exits with one `k3ray serve: error:` line in seconds
     (it used to start Serve and crash minutes later, or wait forever for resources)."""
     flags, words = {
@@ -96,15 +96,9 @@ def test_bad_checkpoint_or_layout_fails_fast_in_one_line(tiny_checkpoint, tmp_pa
         "layout too large": (["--model", tiny_checkpoint, "--pipeline", "2", "--expert-parallel", "2",
                               "--num-cpus", "2"], "CPUs, but 2 are available"),
     }[case]
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "k3ray.cli", "serve", *flags], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
-    took = time.monotonic() - t0
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
-    assert lines[0].startswith("k3ray serve: error: ") and words in lines[0], lines[0]
-    assert took < 10, took
-    assert "ray" not in out.stdout.lower()  # nothing was started
+    line, took, stdout = serve_error_line(flags, tmp_path)
+    assert words in line and took < 10, (line, took)
+    assert "ray" not in stdout.lower()  # nothing was started
 
 
 def test_command_module_does_not_import_ray(tmp_path):
@@ -154,19 +148,23 @@ def serve_command(checkpoint: str, tmp_path, *flags: str):
 
 
 def ctrl_c_stops_everything(proc, log_path, tree: list[psutil.Process]) -> None:
+    """Ctrl-C: the command exits 0 and nothing it started runs 15 s later (test_serve_stop.py has the
+    other signals)."""
     tree[:] = psutil.Process(proc.pid).children(recursive=True)
     assert tree, "Ray's processes should be children of the command"
+    t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
     assert "graceful_shutdown failed" not in log_path.read_text()  # a clean stop logs no killed task
     _, alive = psutil.wait_procs(tree, timeout=60)
     assert not alive, [_described(p) for p in alive]
+    assert time.monotonic() - t0 < 15, f"stopped after {time.monotonic() - t0:.1f} s"
 
 
 def test_leftover_processes_are_waited_for_then_terminated_then_killed():
     """What `k3ray serve` does with Ray's processes after Ray's shutdown: one that exits within the grace is
     left to exit; one still up gets SIGTERM; one that ignores SIGTERM gets SIGKILL."""
-    from k3ray.actors.serve_launch import reap_leftovers
+    from k3ray.actors.serve_reaper import stop_processes as reap_leftovers
 
     code = "import signal, sys, time; {}print('ready', flush=True); time.sleep({})"
     quick, polite, stubborn = (
