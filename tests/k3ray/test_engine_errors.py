@@ -181,6 +181,35 @@ def test_a_failed_step_aborts_every_request_with_the_cause_and_the_engine_goes_o
     assert [out.outputs[0].token_ids for out in finals] == [reference]
 
 
+def test_a_failed_step_drops_the_prefix_cache(model, monkeypatch):
+    """The executor may have lost the caches a prefix hit would resume from (a pipeline stage that
+    restarted with empty ones): after a failed step the same prompt is computed again, and equal."""
+    long_prompt = PROMPT * 4  # 28 tokens: three full blocks of 8
+    reference = LLM(model, num_blocks=16, block_size=8).generate([long_prompt], GREEDY)[0].outputs[0].token_ids
+    engine = make_engine(model)
+    engine.add_request("a", long_prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        step_or_abort(engine)
+    assert engine.cache.resumable_prefixes()
+    execute, failures = engine.executor.execute, [RuntimeError("stage lost")]
+
+    def failing_execute(plan):
+        if failures:
+            raise failures.pop()
+        return execute(plan)
+
+    monkeypatch.setattr(engine.executor, "execute", failing_execute)
+    engine.add_request("b", [1, 2, 3], GREEDY)
+    assert step_or_abort(engine).aborted == ("b",)
+    assert not engine.cache.resumable_prefixes()
+    hits = engine.cache.prefix_hits
+    engine.add_request("c", long_prompt, GREEDY)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in step_or_abort(engine).outputs if out.finished]
+    assert engine.cache.prefix_hits == hits and finals[0].outputs[0].token_ids == reference
+
+
 def test_async_failed_step_ends_every_stream_with_the_cause(model, monkeypatch):
     async def main():
         engine = AsyncEngine(engine_failing_once(model, monkeypatch))
