@@ -13,24 +13,23 @@ from k3ray.actors.openai_routes import build_openai_app
 from k3ray.actors.openai_serving import OpenAIServing
 from k3ray.actors.protocol import StageFailure
 from k3ray.actors.repeat_log import RepeatLog
-from k3ray.actors.serve_config import ServeArgs
-from k3ray.actors.serve_engine import build_engine
-from k3ray.engine.async_engine import AsyncEngine
+from k3ray.engine import AsyncEngine, EngineConfig, LLMEngine, LocalExecutor
+from k3ray.tokenizer import load_tokenizer
+from k3ray.weights import load_model
 
 MODEL = "k3-down"
 
 
 @pytest.fixture(scope="module")
 def client(tiny_checkpoint):
-    args = ServeArgs.model_validate({
-        "model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
-        "engine": {"max_model_len": 128, "cache_memory_mb": 16, "max_num_seqs": 4}}).resolved()
-    engine, executor = build_engine(args)
+    executor = LocalExecutor(load_model(tiny_checkpoint))
 
     def lost_stage(plan):
         raise StageFailure("model step failed: an actor of the pipeline died (ActorUnavailableError)")
 
-    executor.execute = lost_stage  # the real engine, whose executor has lost a pipeline actor
+    executor.execute = lost_stage  # a real engine whose executor has lost a pipeline actor
+    engine = LLMEngine(executor, EngineConfig(num_blocks=16, block_size=8, max_model_len=128),
+                       load_tokenizer(tiny_checkpoint))
     app = build_openai_app(OpenAIServing(AsyncEngine(engine), engine.tokenizer, MODEL), retry_after_s=2)
     with TestClient(app) as c:  # raises whatever the app re-raises to the server
         yield c

@@ -150,10 +150,9 @@ def test_async_bad_request_raises_while_a_good_stream_completes(model):
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == reference
 
 
-def engine_failing_once(model, monkeypatch):
-    """A real engine whose first forward raises before it touches the caches (a lost device)."""
-    engine = make_engine(model)
-    execute, failures = engine.executor.execute, [RuntimeError("device lost")]
+def fail_next_forward(engine, monkeypatch, error: Exception) -> LLMEngine:
+    """The engine's next forward raises `error` before it touches the caches; later ones run."""
+    execute, failures = engine.executor.execute, [error]
 
     def failing_execute(plan):
         if failures:
@@ -162,6 +161,11 @@ def engine_failing_once(model, monkeypatch):
 
     monkeypatch.setattr(engine.executor, "execute", failing_execute)
     return engine
+
+
+def engine_failing_once(model, monkeypatch):
+    """A real engine whose first forward raises before it touches the caches (a lost device)."""
+    return fail_next_forward(make_engine(model), monkeypatch, RuntimeError("device lost"))
 
 
 def test_a_failed_step_aborts_every_request_with_the_cause_and_the_engine_goes_on(model, monkeypatch):
@@ -191,14 +195,7 @@ def test_a_failed_step_drops_the_prefix_cache(model, monkeypatch):
     while engine.has_unfinished_requests():
         step_or_abort(engine)
     assert engine.cache.resumable_prefixes()
-    execute, failures = engine.executor.execute, [RuntimeError("stage lost")]
-
-    def failing_execute(plan):
-        if failures:
-            raise failures.pop()
-        return execute(plan)
-
-    monkeypatch.setattr(engine.executor, "execute", failing_execute)
+    fail_next_forward(engine, monkeypatch, RuntimeError("stage lost"))
     engine.add_request("b", [1, 2, 3], GREEDY)
     assert step_or_abort(engine).aborted == ("b",)
     assert not engine.cache.resumable_prefixes()
