@@ -1,9 +1,11 @@
-"""Fault containment on a live pipeline 2 x expert-parallel 2 Serve app on loopback: a stage, shard or
-router SIGKILLed at any moment (mid-decode, mid-prefill, between requests) fails the requests in
-flight with a clean 503 (Retry-After, an OpenAI error body; a stream ends with an error event), and
-the same replica serves again within 30 s with the greedy outputs it gave before. All kill scenarios
-share one app, in sequence (each actor restarts at most ParallelConfig.max_restarts times)."""
+"""Fault containment on a live pipeline 2 x expert-parallel 2 Serve app on loopback: a stage, shard,
+router or vision encoder SIGKILLed at any moment (mid-decode, mid-prefill, between requests) fails
+the requests in flight with a clean 503 (Retry-After, an OpenAI error body; a stream ends with an
+error event), and the same replica serves again within 30 s with the greedy outputs it gave before.
+All kill scenarios share one app, in sequence (each actor restarts at most max_restarts times)."""
 
+import base64
+import io
 import json
 import re
 import threading
@@ -35,8 +37,8 @@ def server(serve_app, tiny_checkpoint):
 @pytest.fixture(scope="module")
 def references(server) -> dict[tuple[str, int], str]:
     """Greedy outputs before any fault."""
-    return {(prompt, n): completion(server, prompt, n).json()["choices"][0]["text"]
-            for prompt, n in ((PROMPT, 24), (STALE_PROMPT, 16))}
+    texts = {(prompt, n): answer(completion(server, prompt, n)) for prompt, n in ((PROMPT, 24), (STALE_PROMPT, 16))}
+    return {**texts, "image": answer(image_chat(server))}
 
 
 def completion(url: str, prompt: str, max_tokens: int, timeout: float = 120) -> httpx.Response:
@@ -69,13 +71,30 @@ def assert_clean_503(r: httpx.Response) -> None:
     assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "service_unavailable", r.text
 
 
-def serves_again(url: str, prompt: str, n: int, reference: str, since: float) -> float:
-    """Requests until one succeeds, each failure a clean 503 -> seconds since `since`; its greedy
-    output equals the one before the fault."""
+def image_chat(url: str) -> httpx.Response:
+    """A greedy chat completion about a small red image (the replica's VisionEncoder encodes it)."""
+    from PIL import Image
+
+    image = io.BytesIO()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(image, "PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": data_url}}]
+    return httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0})
+
+
+def answer(r: httpx.Response) -> str:
+    choice = r.json()["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def serves_again(url: str, prompt: str, n: int, reference: str, since: float, request=None) -> float:
+    """Requests (a completion of prompt, or `request()`) until one succeeds, each failure a clean
+    503 -> seconds since `since`; its greedy output equals the one before the fault."""
     while True:
-        r = completion(url, prompt, n)
+        r = completion(url, prompt, n) if request is None else request()
         if r.status_code == 200:
-            assert r.json()["choices"][0]["text"] == reference
+            assert answer(r) == reference
             return time.monotonic() - since
         assert_clean_503(r)
         assert time.monotonic() - since < RECOVERY_S, f"not serving {RECOVERY_S} s after the fault: {r.text}"
@@ -193,3 +212,10 @@ def test_a_stage_killed_between_requests_never_resumes_a_lost_prefix(server, ref
         time.sleep(0.2)
     took = serves_again(server, prompt, n, references[(prompt, n)], killed_at)
     print(f"stage killed between requests: serving again after {took:.1f} s")
+
+
+def test_a_vision_encoder_killed_between_requests_encodes_again(server, references):
+    killed_at = time.monotonic()
+    kill("VisionEncoder")
+    took = serves_again(server, "", 0, references["image"], killed_at, request=lambda: image_chat(server))
+    print(f"vision encoder killed between requests: serving images again after {took:.1f} s")
