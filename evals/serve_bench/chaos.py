@@ -4,14 +4,13 @@ while a random pipeline stage, expert shard or the Serve replica itself is SIGKI
 
 It starts k3ray's Serve app itself (the tiny K3 unless --model): it kills that server's processes
 on this machine. --concurrency clients send greedy completions of a few fixed prompts for
---duration seconds, each waiting Retry-After seconds after a 503; each request ends ok, failed with
-a clean 503 (Retry-After and an OpenAI error body), or lost (anything else: a dropped connection, a
-timeout, another status). The JSON holds
-`requests`, `ok`, `failed_503`, `lost` (and `lost_by_type`), `faults` ([{target, at_s,
-recovered_s}]: recovered = the first success of a request sent after the fault's last failure,
-null if none before the next fault or the end), `recovery_s` (the worst; null if one never
-recovered) and `outputs_identical` (every success's greedy output equals its prompt's output before
-the first fault).
+--duration seconds (and on until the last fault recovered), each waiting Retry-After seconds after
+a 503. Each request ends ok, failed with a clean 503 (Retry-After and an OpenAI error body), or lost
+(anything else: a dropped connection, a timeout, another status). The JSON holds `requests`, `ok`,
+`failed_503`, `lost` (and `lost_by_type`), `faults` ([{target, at_s, recovered_s}]: recovered = the
+first success of a request sent after the fault's last failure, null if none before the next fault
+or the end), `recovery_s` (the worst; null if one never recovered) and `outputs_identical` (every
+success's greedy output equals its prompt's output before the first fault).
 """
 
 from __future__ import annotations
@@ -84,10 +83,11 @@ async def _chaos(args: argparse.Namespace, url: str, model: str) -> dict[str, An
         stop = t0 + args.duration
         outcomes: list[Outcome] = []
         faults: list[dict[str, Any]] = []
+        done = asyncio.Event()  # the last fault recovered (or timed out): the load may end
 
         async def client(c: int) -> None:
             i = c
-            while time.monotonic() < stop:
+            while not done.is_set():
                 outcome = await _greedy(http, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
                 outcomes.append(outcome)
                 await asyncio.sleep(outcome.retry_after_s)  # as a client told to retry later does
@@ -95,6 +95,8 @@ async def _chaos(args: argparse.Namespace, url: str, model: str) -> dict[str, An
 
         clients = [asyncio.create_task(client(c)) for c in range(args.concurrency)]
         await _inject_faults(random.Random(args.seed), args.fault_every, stop, outcomes, faults)
+        await asyncio.sleep(max(0.0, stop - time.monotonic()))
+        done.set()
         await asyncio.gather(*clients)
     kinds = [o.kind for o in outcomes]
     lost = [k for k in kinds if k not in ("ok", "failed_503")]
@@ -113,7 +115,7 @@ async def _chaos(args: argparse.Namespace, url: str, model: str) -> dict[str, An
         "recovery_s": None if None in recoveries else max(recoveries, default=0.0),
         "outputs_identical": all(o.text == references[o.prompt] for o in outcomes if o.kind == "ok"),
         "outputs_differing": sum(o.text != references[o.prompt] for o in outcomes if o.kind == "ok"),
-        "duration_s": args.duration,
+        "duration_s": round(time.monotonic() - t0, 1),
         "machine": machine(),
         "config": {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("json", "api_key")},
     }
@@ -121,11 +123,12 @@ async def _chaos(args: argparse.Namespace, url: str, model: str) -> dict[str, An
 
 async def _inject_faults(rng: random.Random, every_s: float, stop: float, outcomes: list[Outcome],
                          faults: list[dict[str, Any]]) -> None:
-    """Kill a random stage, shard or replica every `every_s` seconds, each once the last recovered."""
+    """Kill a random stage, shard or replica every `every_s` seconds until `stop`, each once the last
+    recovered; returns once the last recovered (the load goes on until then)."""
     next_at = time.monotonic() + every_s
     while True:
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-        if time.monotonic() >= stop - every_s / 2:  # too late for the fault to recover before the end
+        if time.monotonic() >= stop:
             return
         target = rng.choice(sorted(TARGETS))
         victims = await asyncio.to_thread(_processes, TARGETS[target])
@@ -135,7 +138,7 @@ async def _inject_faults(rng: random.Random, every_s: float, stop: float, outcom
         rng.choice(victims).kill()
         at = time.monotonic()
         faults.append({"target": target, "at": at})
-        recovered = await _wait_recovered(at, outcomes, min(stop, at + RECOVERY_TIMEOUT_S))
+        recovered = await _wait_recovered(at, outcomes, at + RECOVERY_TIMEOUT_S)
         next_at = max(at + every_s, recovered + SETTLE_S)
 
 
