@@ -50,8 +50,7 @@ class PipelineFaults:
                  recovery_timeout_s: float, step_timeout_s: float):
         """ping: every actor's state (ALIVE, RESTARTED, REPLACED, else what is wrong; "dead..." =
         gone for good); rebuild: after a fault, with every actor answering or REPLACED -> whether
-        stage caches were lost;
-        probe: one tiny real step (raises StageFailure)."""
+        stage caches were lost; probe: one tiny real step (raises StageFailure)."""
         self._ping, self._rebuild, self._probe = ping, rebuild, probe
         self.recovery_timeout_s, self.step_timeout_s = recovery_timeout_s, step_timeout_s
         self._stepping = threading.Lock()  # one call on the step path at a time
@@ -62,7 +61,7 @@ class PipelineFaults:
         self._last_ok = 0.0
         self._actors: dict[str, str] = {}  # the latest look at the actors (the recovery's during a fault)
         self._closed = False
-        self.recoveries = 0
+        self.recoveries = 0  # faults recovered from
         self._log = RepeatLog(logger)
 
     @contextmanager
@@ -84,8 +83,8 @@ class PipelineFaults:
 
     def health(self) -> dict:
         """{"healthy", "state": serving | recovering | broken, "actors": name -> state, "cause",
-        "since_s"}: while idle, a look at every actor and a probe step; while busy, the last step's
-        outcome; during a fault, what the recovery last saw."""
+        "since_s", "recoveries"}: while idle, a look at every actor and a probe step; while busy, the
+        last step's outcome; during a fault, what the recovery last saw."""
         if self.fault is None and self._stepping.acquire(blocking=False):
             try:
                 self._actors = actors = self._ping()
@@ -102,15 +101,15 @@ class PipelineFaults:
                                    lost_for_good=isinstance(e, PipelineLost))
             finally:
                 self._stepping.release()
-        fault, busy, actors = self.fault, self._busy_since, self._actors
+        fault, busy = self.fault, self._busy_since
+        report = {"healthy": True, "state": "serving", "actors": self._actors, "cause": "", "since_s": 0.0,
+                  "recoveries": self.recoveries}
         if fault is not None:
-            return {"healthy": False, "state": "broken" if fault.broken else "recovering",
-                    "actors": actors, "cause": fault.broken or fault.cause,
-                    "since_s": round(time.monotonic() - fault.since, 1)}
+            return {**report, "healthy": False, "state": "broken" if fault.broken else "recovering",
+                    "cause": fault.broken or fault.cause, "since_s": round(time.monotonic() - fault.since, 1)}
         if busy is not None and time.monotonic() - busy > self.step_timeout_s:
-            return {"healthy": False, "state": "serving", "actors": actors,
-                    "cause": f"a step has run for {time.monotonic() - busy:.0f} s", "since_s": 0.0}
-        return {"healthy": True, "state": "serving", "actors": actors, "cause": "", "since_s": 0.0}
+            return {**report, "healthy": False, "cause": f"a step has run for {time.monotonic() - busy:.0f} s"}
+        return report
 
     def close(self) -> None:
         self._closed = True
