@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import httpx
 
 from k3ray.actors.admission import Admission
-from k3ray.actors.openai_errors import APIError, as_api_error, bad_request, from_value_error
+from k3ray.actors.openai_errors import APIError, as_api_error, bad_request, from_value_error, log_failure
 from k3ray.actors.openai_protocol import MAX_SEQUENCES_PER_REQUEST, ChatMessage, ResponseFormat, SamplingFields
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
@@ -267,6 +267,7 @@ def sse(payload: dict | str) -> str:
 
 
 def stream_error(e: BaseException) -> str:
+    log_failure(e)
     err = request_error(e) if isinstance(e, ValueError) else as_api_error(e)
     return sse(err.body())
 
