@@ -55,7 +55,8 @@ def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | Non
         markers = marker_ids(tokenizer)
     except ValueError as e:
         raise bad_request(f"tools are not supported by this model: {e}", "tools", "unsupported_parameter") from e
-    functions = [(t.function.name, _parameters(t.function.parameters, i, max_schema_bytes)) for i, t in enumerate(tools)]
+    functions = [(t.function.name, _parameters(t.function.parameters, i, max_schema_bytes))
+                 for i, t in enumerate(tools)]
     declared = [t.model_dump(exclude_none=True) for t in tools]
     parallel = req.parallel_tool_calls is not False
     if choice == "none":

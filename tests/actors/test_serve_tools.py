@@ -200,3 +200,17 @@ def test_tools_on_completions_are_400(client):
         param, message = bad_request(lambda: client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
                                                                        extra_body={field: value}))
         assert param == field and "/v1/chat/completions" in message
+
+
+def test_the_openapi_document_describes_tool_calling(server):
+    document = httpx.get(f"{server}/openapi.json", timeout=60).json()
+    schemas = document["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat)
+    assert schemas["FunctionDefinition"]["properties"]["name"]["pattern"] == "^[A-Za-z0-9_-]{1,64}$"
+    assert "tools" in schemas["TokenizeRequest"]["properties"]
+    assert schemas["CompletionRequest"]["properties"]["tools"]["type"] == "null"  # a 400 there
+    (answer,) = document["paths"]["/v1/chat/completions"].values()
+    message = answer["responses"]["200"]["content"]["application/json"]["schema"]["properties"]["choices"]
+    call = message["items"]["properties"]["message"]["properties"]["tool_calls"]["items"]
+    assert call["required"] == ["id", "type", "function"]
