@@ -66,6 +66,9 @@ def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | Non
     if req.response_format is not None and req.response_format.type != "text":
         raise bad_request(f"response_format {req.response_format.type} cannot be combined with a tool_choice that "
                           "constrains the output to a tool call", "response_format")
+    if req.ignore_eos:
+        raise bad_request("ignore_eos cannot be combined with a tool_choice that constrains the output to a tool "
+                          "call: the call section ends with an end-of-sequence token", "tool_choice")
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not one of "

@@ -187,6 +187,7 @@ def bad_request(call) -> tuple[str | None, str]:
     ({"tools": [tool("a.b")]}, "tools[0].function.name", "should match pattern"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "cannot be combined"),
+    ({"tool_choice": "required", "extra_body": {"ignore_eos": True}}, "tool_choice", "ignore_eos cannot be combined"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(client, fields, param, says):
     kw = {"model": MODEL, "messages": USER, "tools": [NOOP], "max_tokens": 4, **fields}
