@@ -114,7 +114,7 @@ def _evaluate_shard(shard, target: Target, seed: int, reserve_generation: bool) 
 def _on_ray(jobs, target: Target, config: RunConfig) -> Iterator[dict[str, Any]]:
     import ray
 
-    from k3ray.actors.ray_connect import connect  # ray.init off the repository root
+    from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
 
     if not ray.is_initialized():
         connect(address=os.environ.get("RAY_ADDRESS"))

@@ -59,7 +59,7 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from k3ray.actors.ray_connect import connect, neutral_cwd  # off the repository root
+    from k3ray.actors.cluster.ray_connect import connect, neutral_cwd  # off the repository root
 
     with neutral_cwd():  # the nodes' processes keep the directory they start in
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
@@ -120,8 +120,8 @@ class ServeRay:
         if self.head is None:
             from ray.cluster_utils import Cluster
 
-            from k3ray.actors import serve_launch
-            from k3ray.actors.ray_connect import neutral_cwd
+            from k3ray.actors.serve import launch as serve_launch
+            from k3ray.actors.cluster.ray_connect import neutral_cwd
 
             self.environment = serve_launch.local_environment("haproxy")
             with pytest.MonkeyPatch.context() as patch, neutral_cwd():
@@ -133,7 +133,7 @@ class ServeRay:
         return self.head.address
 
     def stop(self) -> None:
-        from k3ray.actors.serve_isolation import remove_runtime_dir
+        from k3ray.actors.serve.isolation import remove_runtime_dir
 
         if self.head is not None:
             self.head.shutdown()
@@ -166,8 +166,8 @@ def serve_app(serve_ray, request):
     connected to is left for the module and rejoined after."""
     import ray
 
-    from k3ray.actors import serve_launch
-    from k3ray.actors.ray_connect import connect
+    from k3ray.actors.serve import launch as serve_launch
+    from k3ray.actors.cluster.ray_connect import connect
 
     previous = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
     if previous is not None:

@@ -1,7 +1,8 @@
 """The import rules of the design (DESIGN.md, Layout) as a test: the core never imports ray,
 k3ray.actors or k3ray.evals; kernels import nothing of the project outside k3ray.kernels; actors
-never import evals. Every import statement counts, lazy ones inside functions too, and so does a
-string that names a module: a dotted one anywhere ("k3ray.actors.serve_cli", "mod:attr"), a bare one
+never import evals, and its role packages import one way (openai/ names no Ray and no other role;
+pipeline/ and cluster/ name no other role; serve/ may name them). Every import statement counts, lazy ones inside functions too, and so does a
+string that names a module: a dotted one anywhere ("k3ray.actors.serve.cli", "mod:attr"), a bare one
 given to an import call (importlib.import_module("ray"), __import__("ray")); a bare "ray" elsewhere
 (a dict key, a distribution name for a version lookup) imports nothing and does not count."""
 
@@ -32,6 +33,13 @@ RULES = (
     Rule("k3ray", forbidden=("ray", "k3ray.actors", "k3ray.evals")),
     Rule("k3ray.kernels", forbidden=("k3ray",), allowed=("k3ray.kernels",)),
     Rule("k3ray.actors", forbidden=("k3ray.evals",)),
+    # actors/ by role, imports one way: serve -> openai, pipeline, cluster; bench -> pipeline
+    Rule("k3ray.actors.openai", forbidden=("ray", "k3ray.actors", "k3ray.evals"), allowed=("k3ray.actors.openai",)),
+    Rule("k3ray.actors.pipeline", forbidden=("k3ray.actors", "k3ray.evals"), allowed=("k3ray.actors.pipeline",)),
+    Rule("k3ray.actors.cluster", forbidden=("k3ray.actors", "k3ray.evals"),
+         allowed=("k3ray.actors.cluster", "k3ray.actors.serve.config")),  # the settings it checks nodes for
+    Rule("k3ray.actors.serve", forbidden=("k3ray.actors.bench", "k3ray.evals")),
+    Rule("k3ray.actors.bench", forbidden=("k3ray.actors.serve", "k3ray.actors.openai", "k3ray.evals")),
 )
 
 
@@ -100,7 +108,7 @@ def violations(rule: Rule, refs: list[Reference]) -> list[Reference]:
 
 def package_of(module: str) -> str:
     """The most specific ruled package a module belongs to (k3ray.kernels.x is a kernel, not core)."""
-    for name in ("k3ray.kernels", "k3ray.actors", "k3ray.evals"):
+    for name in sorted({rule.package for rule in RULES} | {"k3ray.evals"}, key=len, reverse=True):
         if _under(module, name):
             return name
     return "k3ray"
@@ -133,21 +141,21 @@ def test_the_checker_sees_lazy_relative_and_string_imports():
         "import os\n"
         "def f():\n"
         "    import ray.util\n"
-        "    from ..actors import stage\n"
-        "    return importlib.import_module('k3ray.evals.cli'), 'k3ray.actors.serve_cli:main', 'the ray docs'\n"
+        "    from ..actors.pipeline import stage\n"
+        "    return importlib.import_module('k3ray.evals.cli'), 'k3ray.actors.serve.cli:main', 'the ray docs'\n"
         "metadata.version('ray'); __import__('ray'); info['ray'] = 1\n"
     )
     refs = references(source, "k3ray.engine.llm")
     core = RULES[0]
     assert [(r.module, r.line, r.how) for r in violations(core, refs)] == [
-        ("ray.util", 3, "import"), ("k3ray.actors", 4, "import"), ("k3ray.actors.stage", 4, "import"),
-        ("k3ray.actors.serve_cli", 5, "string"), ("k3ray.evals.cli", 5, "string"), ("ray", 6, "string"),
+        ("ray.util", 3, "import"), ("k3ray.actors.pipeline", 4, "import"), ("k3ray.actors.pipeline.stage", 4, "import"),
+        ("k3ray.actors.serve.cli", 5, "string"), ("k3ray.evals.cli", 5, "string"), ("ray", 6, "string"),
     ]
     kernels = RULES[1]
     kernel_refs = references("from k3ray.kernels.kda import naive\nfrom k3ray.config import X\nfrom . import y\n",
                              "k3ray.kernels.mla.dispatch")
     assert [r.module for r in violations(kernels, kernel_refs)] == ["k3ray.config", "k3ray.config.X"]
-    assert not violations(RULES[2], references("import k3ray.engine\nimport ray\n", "k3ray.actors.stage"))
+    assert not violations(RULES[2], references("import k3ray.engine\nimport ray\n", "k3ray.actors.pipeline.stage"))
 
 
 def test_module_names_follow_the_package_dir_mapping():
@@ -155,3 +163,4 @@ def test_module_names_follow_the_package_dir_mapping():
     assert module_name(ROOT / "actors" / "__init__.py") == "k3ray.actors"
     assert module_name(ROOT / "k3ray" / "engine" / "llm.py") == "k3ray.engine.llm"
     assert package_of("k3ray.engine.llm") == "k3ray" and package_of("k3ray.kernels.moe") == "k3ray.kernels"
+    assert package_of("k3ray.actors.openai.routes") == "k3ray.actors.openai" and package_of("k3ray.actors") == "k3ray.actors"

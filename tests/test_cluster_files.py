@@ -34,14 +34,14 @@ def test_every_yaml_parses():
 
 
 def test_serve_configs_name_the_real_app_and_valid_args():
-    from k3ray.actors.serve_app import build_app
-    from k3ray.actors.serve_config import ServeArgs
+    from k3ray.actors.serve.app import build_app
+    from k3ray.actors.serve.config import ServeArgs
 
     service = yaml.safe_load(load("kuberay/rayservice.yaml")["spec"]["serveConfigV2"])
     for config in (load("serve-config.yaml"), service):
         app = serve_app(config)
         module, attr = app["import_path"].split(":")
-        assert module == "k3ray.actors.serve_app" and attr == "build_app" and callable(build_app)
+        assert module == "k3ray.actors.serve.app" and attr == "build_app" and callable(build_app)
         ServeArgs.model_validate(app["args"])  # unknown or bad keys raise
     assert load("serve-config.yaml")["http_options"]["host"] == "127.0.0.1"  # local default: loopback only
 
@@ -73,8 +73,8 @@ def test_serve_configs_are_what_their_command_prints(source, capsys, monkeypatch
 
 
 def test_rayservice_gpus_fit_the_planned_layout():
-    from k3ray.actors.pipeline_replica import actor_bundles
-    from k3ray.actors.serve_config import ServeArgs
+    from k3ray.actors.pipeline.runner import actor_bundles
+    from k3ray.actors.serve.config import ServeArgs
 
     spec = load("kuberay/rayservice.yaml")["spec"]
     args = ServeArgs.model_validate(serve_app(yaml.safe_load(spec["serveConfigV2"]))["args"])
@@ -97,7 +97,7 @@ def test_images_versions_and_wheel_install_agree():
     assert base == ray.__version__
     assert re.search(r"pip install .*k3ray-\*\.whl", docker) and not re.search(r"^COPY \. ", docker, re.M)
     # every node of an image-built cluster starts Serve with k3ray serve's default ingress
-    from k3ray.actors.serve_launch import DEFAULT_INGRESS, DRAIN_S, ingress_environment
+    from k3ray.actors.serve.launch import DEFAULT_INGRESS, DRAIN_S, ingress_environment
 
     assert DEFAULT_INGRESS == "haproxy"
     assert re.search(r"^\s*(ENV )?RAY_SERVE_ENABLE_HA_PROXY=(\S+)", docker, re.M).group(2) == \

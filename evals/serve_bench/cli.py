@@ -162,8 +162,8 @@ def _engine(args: argparse.Namespace, serve_args: dict[str, Any]):
     """The served replica's engine, rebuilt in this process from the same settings."""
     if args.no_engine or (args.endpoint is not None and args.model is None):
         return None
-    from k3ray.actors.serve_config import ServeArgs
-    from k3ray.actors.serve_engine import build_engine
+    from k3ray.actors.serve.config import ServeArgs
+    from k3ray.actors.serve.engine import build_engine
 
     engine, _ = build_engine(ServeArgs.model_validate(serve_args).resolved())
     return engine

@@ -93,7 +93,7 @@ class ReplicaWatch:
     def _poll(self) -> None:
         from ray import serve
 
-        from k3ray.actors.serve_config import APP_NAME
+        from k3ray.actors.serve.config import APP_NAME
 
         while not self._stop.is_set():
             states = serve.status().applications[APP_NAME].deployments["K3Server"].replica_states

@@ -29,7 +29,7 @@ def local_serve_app(serve_args: dict, port: int | None = None, ingress: str = "h
     yield its URL; then stop Serve and Ray again."""
     import ray
 
-    from k3ray.actors import serve_launch
+    from k3ray.actors.serve import launch as serve_launch
 
     if ray.is_initialized():
         raise ValueError("this process is already connected to Ray: benchmark its server with --endpoint URL, "

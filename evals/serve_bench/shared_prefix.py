@@ -78,9 +78,9 @@ def prefix_counters(replicas: int, timeout_s: float = 60.0) -> tuple[float, floa
     from each replica's metrics listener (announced in the server's runtime folder)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from k3ray.actors.haproxy_wrapper import announced_listeners
-    from k3ray.actors.metrics_listener import runtime_dir
-    from k3ray.actors.serve_config import APP_NAME
+    from k3ray.actors.serve.haproxy_wrapper import announced_listeners
+    from k3ray.actors.serve.metrics_listener import runtime_dir
+    from k3ray.actors.serve.config import APP_NAME
 
     deadline = time.monotonic() + timeout_s
     while len(ports := announced_listeners(runtime_dir()).get(APP_NAME, [])) != replicas:
@@ -100,8 +100,8 @@ def prefix_counters(replicas: int, timeout_s: float = 60.0) -> tuple[float, floa
 def measure(args, serve_args: dict, name: str, lengths: tuple[int, int]) -> dict[str, Any]:
     """Deploy one configuration, warm it up, run the workload (the same for every configuration):
     its hit rate and TTFTs. lengths: (first prompt, reply) tokens."""
-    from k3ray.actors import serve_launch
-    from k3ray.actors.ingress_router import haproxy_routes_through_router
+    from k3ray.actors.serve import launch as serve_launch
+    from k3ray.actors.serve.ingress_routing import haproxy_routes_through_router
     from k3ray.evals.serve_bench.datasets import ordinary_token_range
     from k3ray.evals.serve_bench.server import server_facts, wait_healthy
 
@@ -139,7 +139,7 @@ def measure(args, serve_args: dict, name: str, lengths: tuple[int, int]) -> dict
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from k3ray.actors import serve_launch
+    from k3ray.actors.serve import launch as serve_launch
     from k3ray.bench.common import machine
     from k3ray.threads import resolved_threads
 

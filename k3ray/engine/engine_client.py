@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 
 from k3ray.engine.engine_core_proc import recv, send
 from k3ray.engine.engine_info import EngineInfo
+from k3ray.engine.errors import ModelUnavailableError
 from k3ray.engine.output_delta import DeltaDecoder
 from k3ray.engine.outputs import RequestOutput, follow
 from k3ray.engine.stats import EngineStats
@@ -41,7 +42,7 @@ from k3ray.vision import ProcessedMedia
 SHUTDOWN_GRACE_S = 10.0
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(ModelUnavailableError):
     """The engine process is gone (or was shut down): no request can run until it is replaced."""
 
 

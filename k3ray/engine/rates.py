@@ -1,4 +1,4 @@
-"""Work rates the engine measures on itself, for a server's wait estimates (actors/admission.py):
+"""Work rates the engine measures on itself, for a server's wait estimates (actors/openai/admission.py):
 tokens computed per second of the steps that computed them. Idle time between steps never counts,
 and an aborted request's computed tokens count as the work they were.
 

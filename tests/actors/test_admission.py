@@ -1,4 +1,4 @@
-"""Admission by work (actors/admission.py) over engine stats the test sets, on a clock it moves: each
+"""Admission by work (actors/openai/admission.py) over engine stats the test sets, on a clock it moves: each
 lane is bounded by the prompt tokens ahead and by the wait the engine's measured prefill rate
 predicts; a long prompt has a lane of its own. The live 429 is in test_serve_errors, the engine's
 lanes in tests/k3ray/test_engine_long_context.py, the predicted vs observed wait in
@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from k3ray.actors.admission import Admission, AdmissionLimits
-from k3ray.actors.openai_errors import APIError
+from k3ray.actors.openai.admission import Admission, AdmissionLimits
+from k3ray.actors.openai.errors import APIError
 from k3ray.engine.stats import EngineStats
 
 IDLE = EngineStats(num_running=0, num_waiting=0, num_steps=0, num_preemptions=0, prompt_tokens=0,

@@ -1,4 +1,4 @@
-"""The wait admission predicts (actors/admission.py: the prompt tokens ahead over the engine's measured
+"""The wait admission predicts (actors/openai/admission.py: the prompt tokens ahead over the engine's measured
 prefill rate) against the wait each request then has until its first output, over a ramp of arrivals
 that ends past what the engine can take: the real engine and OpenAIServing, in process."""
 
@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from k3ray.actors.admission import Admission, AdmissionLimits
-from k3ray.actors.openai_serving import OpenAIServing, Prompt
+from k3ray.actors.openai.admission import Admission, AdmissionLimits
+from k3ray.actors.openai.serving import OpenAIServing, Prompt
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.tokenizer import load_tokenizer

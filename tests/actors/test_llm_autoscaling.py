@@ -1,5 +1,5 @@
-"""The LLM-signal autoscaling policy (actors/llm_autoscaling.py) on Serve's own AutoscalingContext
-and AutoscalingConfig, and what a replica reports (actors/load_signals.py) on a clock the test
+"""The LLM-signal autoscaling policy (actors/serve/autoscaling.py) on Serve's own AutoscalingContext
+and AutoscalingConfig, and what a replica reports (actors/serve/load_signals.py) on a clock the test
 moves. The policy scaling a pipeline x expert-parallel app on a cluster is in
 test_serve_llm_autoscale.py."""
 
@@ -12,10 +12,10 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config  # noqa: E402
 from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
 from ray.serve.config import AutoscalingConfig, AutoscalingContext  # noqa: E402
 
-from k3ray.actors import load_signals as sig  # noqa: E402
-from k3ray.actors.admission import Admission, AdmissionLimits  # noqa: E402
-from k3ray.actors.llm_autoscaling import STATE_KEY, LLMAutoscalingPolicy, serve_autoscaling_config  # noqa: E402
-from k3ray.actors.serve_config import AutoscalingSettings  # noqa: E402
+from k3ray.actors.serve import load_signals as sig  # noqa: E402
+from k3ray.actors.openai.admission import Admission, AdmissionLimits  # noqa: E402
+from k3ray.actors.serve.autoscaling import STATE_KEY, LLMAutoscalingPolicy, serve_autoscaling_config  # noqa: E402
+from k3ray.actors.serve.config import AutoscalingSettings  # noqa: E402
 from k3ray.engine.stats import EngineStats  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="K3Server", app_name="k3ray")
@@ -113,7 +113,7 @@ def test_serve_builds_the_policy_from_the_settings_and_applies_its_delays_and_bo
     settings = AutoscalingSettings(min_replicas=1, max_replicas=4, upscale_delay_s=0, downscale_delay_s=3600,
                                    autoscale_ttft_ms=500, autoscale_queued_tokens=100)
     config = AutoscalingConfig(**serve_autoscaling_config(settings))
-    assert config.policy.policy_function == "k3ray.actors.llm_autoscaling:LLMAutoscalingPolicy"
+    assert config.policy.policy_function == "k3ray.actors.serve.autoscaling:LLMAutoscalingPolicy"
     policy_cls = config.policy.get_policy()
     policy = _apply_autoscaling_config(policy_cls(**config.policy.policy_kwargs))
     up, state = policy(context([report(queued=350)], config=config))

@@ -12,9 +12,9 @@ from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors import moe_dispatch  # noqa: E402
-from k3ray.actors.expert_placement import Placement  # noqa: E402
-from k3ray.actors.expert_shard import ExpertShard  # noqa: E402
+from k3ray.actors.pipeline import moe_dispatch  # noqa: E402
+from k3ray.actors.pipeline.expert_placement import Placement  # noqa: E402
+from k3ray.actors.pipeline.expert_shard import ExpertShard  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

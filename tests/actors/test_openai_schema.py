@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from k3ray.actors.openai_protocol import LIMIT, ChatCompletionRequest, CompletionRequest
-from k3ray.actors.openai_schema import ServerLimits, below_pattern, fill_in_limits
+from k3ray.actors.openai.protocol import LIMIT, ChatCompletionRequest, CompletionRequest
+from k3ray.actors.openai.schema import ServerLimits, below_pattern, fill_in_limits
 
 TEXT_ONLY = ServerLimits("k3-doc", vocab_size=512, max_model_len=96, supports_media=False, api_key=False)
 

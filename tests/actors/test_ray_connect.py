@@ -18,7 +18,7 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 import ray
 import k3ray
 import k3ray.kernels.kda.naive as naive
-from k3ray.actors.ray_connect import connect
+from k3ray.actors.cluster.ray_connect import connect
 
 os.chdir(sys.argv[1])  # after the imports: python -c resolves its "" path entry against the cwd
 

@@ -11,8 +11,8 @@ from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure  # noqa: E402
-from k3ray.actors.pipeline_replica import RayModelRunner  # noqa: E402
+from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailure  # noqa: E402
+from k3ray.actors.pipeline.runner import RayModelRunner  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 BS = 8

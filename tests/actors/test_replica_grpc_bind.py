@@ -9,7 +9,7 @@ grpc = pytest.importorskip("grpc")
 
 from ray.serve._private import replica  # noqa: E402
 
-from k3ray.actors.replica_grpc_bind import bind_replica_grpc_to  # noqa: E402
+from k3ray.actors.serve.replica_grpc_bind import bind_replica_grpc_to  # noqa: E402
 
 
 def listening_on(port: int) -> set[str]:

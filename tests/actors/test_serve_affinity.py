@@ -9,8 +9,8 @@ import httpx
 import pytest
 import ray
 
-from k3ray.actors.ingress_router import block_chain, haproxy_routes_through_router, prompt_ids, serve_haproxy_config
-from k3ray.actors.prefix_affinity_router import PREFIXES_STAT
+from k3ray.actors.serve.ingress_routing import block_chain, haproxy_routes_through_router, prompt_ids, serve_haproxy_config
+from k3ray.actors.serve.request_routing import PREFIXES_STAT
 from k3ray.tokenizer import load_tokenizer
 
 BS = 16

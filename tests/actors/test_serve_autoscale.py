@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
-from k3ray.actors.ray_connect import connect  # noqa: E402  ray.init off the repository root
-from k3ray.actors.serve_isolation import free_port  # noqa: E402
+from k3ray.actors.cluster.ray_connect import connect  # noqa: E402  ray.init off the repository root
+from k3ray.actors.serve.isolation import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 MODEL_ACTORS = {"PipelineStage": 1, "MoERouter": 1, "ExpertShard": 2}  # per replica (expert_parallel=2)
@@ -25,7 +25,7 @@ def cluster(tiny_checkpoint):
     """A local Ray with the dashboard (the state API needs it), fractional CPUs for the actors."""
     from ray import serve
 
-    from k3ray.actors import serve_launch
+    from k3ray.actors.serve import launch as serve_launch
 
     # the state API needs a dashboard: leave a session-wide test cluster for a moment, rejoin it after
     previous = ray.get_runtime_context().gcs_address if ray.is_initialized() else None

@@ -19,12 +19,12 @@ import yaml
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.pipeline_replica import actor_bundles  # noqa: E402
-from k3ray.actors.serve_app import deployment_options  # noqa: E402
-from k3ray.actors.serve_config import ServeArgs  # noqa: E402
-from k3ray.actors.serve_engine import engine_config  # noqa: E402
-from k3ray.actors import serve_cli as serve_cmd  # noqa: E402
-from k3ray.actors.serve_flags import launch_settings  # noqa: E402
+from k3ray.actors.pipeline.runner import actor_bundles  # noqa: E402
+from k3ray.actors.serve.app import deployment_options  # noqa: E402
+from k3ray.actors.serve.config import ServeArgs  # noqa: E402
+from k3ray.actors.serve.engine import engine_config  # noqa: E402
+from k3ray.actors.serve import cli as serve_cmd  # noqa: E402
+from k3ray.actors.serve.flags import launch_settings  # noqa: E402
 from k3ray.config import ModelConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -102,19 +102,19 @@ def test_bad_checkpoint_or_layout_fails_fast_in_one_line(tiny_checkpoint, tmp_pa
 
 
 def test_command_module_does_not_import_ray(tmp_path):
-    code = "import sys, k3ray.actors.serve_cli; assert 'ray' not in sys.modules, 'ray imported'"
+    code = "import sys, k3ray.actors.serve.cli; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)  # off the repository root
 
 
 def test_serve_config_yaml_deploys_the_same_app(tiny_checkpoint):
     from ray.serve.schema import ServeDeploySchema
 
-    from k3ray.actors.serve_app import build_app
+    from k3ray.actors.serve.app import build_app
 
     config = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "cluster" / "serve-config.yaml").read_text()))
     assert config.http_options.host == "127.0.0.1"
     (app,) = config.applications
-    assert app.import_path == "k3ray.actors.serve_app:build_app"
+    assert app.import_path == "k3ray.actors.serve.app:build_app"
     args = ServeArgs.model_validate(app.args)
     assert (args.autoscaling.min_replicas, args.autoscaling.max_replicas) == (1, 2)
     assert args.server.max_queued_requests == 256
@@ -131,7 +131,7 @@ def serve_command(checkpoint: str, tmp_path, *flags: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "k3ray.actors.serve_cli", "--model", checkpoint, "--port", str(port),
+    cmd = [sys.executable, "-m", "k3ray.actors.serve.cli", "--model", checkpoint, "--port", str(port),
            "--max-model-len", "128", "--cache-memory-mb", "16", "--num-cpus", "4", *flags]
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w")
@@ -164,7 +164,7 @@ def ctrl_c_stops_everything(proc, log_path, tree: list[psutil.Process]) -> None:
 def test_leftover_processes_are_waited_for_then_terminated_then_killed():
     """What `k3ray serve` does with Ray's processes after Ray's shutdown: one that exits within the grace is
     left to exit; one still up gets SIGTERM; one that ignores SIGTERM gets SIGKILL."""
-    from k3ray.actors.serve_reaper import stop_processes as reap_leftovers
+    from k3ray.actors.serve.reaper import stop_processes as reap_leftovers
 
     code = "import signal, sys, time; {}print('ready', flush=True); time.sleep({})"
     quick, polite, stubborn = (
@@ -259,7 +259,7 @@ def test_k3ray_serve_runs_until_ctrl_c_and_leaves_nothing(tiny_checkpoint, tmp_p
             (admin,) = pathlib.Path("/tmp").glob(f"k3serve-{proc.pid}-*/*/admin.sock")
             assert admin.stat().st_mode & 0o077 == 0, oct(admin.stat().st_mode)  # private to the user
         # Ray's own listeners (GCS, raylet, agents, metrics exporters) and the replicas' inter-deployment
-        # gRPC servers (Serve binds those to [::]; replica_grpc_bind.py) are on loopback too
+        # gRPC servers (Serve binds those to [::]; serve/replica_grpc_bind.py) are on loopback too
         assert not non_loopback_listeners(psutil.Process(proc.pid))
         ctrl_c_stops_everything(proc, log_path, tree)
         with pytest.raises(httpx.HTTPError):
@@ -282,7 +282,7 @@ def replica_of(root: psutil.Process) -> psutil.Process:
 
 
 def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_taken_ones(monkeypatch):
-    from k3ray.actors import serve_isolation
+    from k3ray.actors.serve import isolation as serve_isolation
 
     low, high = (int(p) for p in pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     first, last = serve_isolation.PORT_RANGE
@@ -305,7 +305,7 @@ def test_two_servers_on_one_host_never_answer_for_each_other(tiny_checkpoint, tm
     while one has no replica (its HAProxy says 503, it has no fallback into the other's proxy) and not
     after one is SIGKILLed (its HAProxy dies with it, the port goes quiet, its runtime folder is
     removed). Two Ray instances: about 3 minutes here, so `slow`."""
-    from k3ray.actors.serve_isolation import RUNTIME_PREFIX, RUNTIME_ROOT, remove_stale_runtime_dirs
+    from k3ray.actors.serve.isolation import RUNTIME_PREFIX, RUNTIME_ROOT, remove_stale_runtime_dirs
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from k3ray.actors.serve_config import ServeArgs
-from k3ray.actors.serve_engine import build_engine, context_limit_note
+from k3ray.actors.serve.config import ServeArgs
+from k3ray.actors.serve.engine import build_engine, context_limit_note
 from k3ray.checkpoints import checkpoint_dir
 from k3ray.engine.engine_info import EngineInfo
 

@@ -5,11 +5,11 @@ chat template Hugging Face clients render with."""
 import pytest
 from fastapi.testclient import TestClient
 
-from k3ray.actors.openai_routes import build_openai_app
-from k3ray.actors.openai_serving import OpenAIServing
-from k3ray.actors.serve_config import ServeArgs
-from k3ray.actors.serve_engine import build_engine
-from k3ray.actors.serve_metrics import ServeMetrics
+from k3ray.actors.openai.routes import build_openai_app
+from k3ray.actors.openai.serving import OpenAIServing
+from k3ray.actors.serve.config import ServeArgs
+from k3ray.actors.serve.engine import build_engine
+from k3ray.actors.serve.metrics import ServeMetrics
 from k3ray.engine.async_engine import AsyncEngine
 
 MODEL = "k3-echo"

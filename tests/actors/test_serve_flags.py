@@ -1,5 +1,5 @@
 """`k3ray serve` flags and the Serve config YAML, both generated from the settings
-(actors/serve_config.py): one flag per field with its description and default, a flag given lands
+(actors/serve/config.py): one flag per field with its description and default, a flag given lands
 in its nested field, no flag gives the defaults, and the YAML holds every setting and reads back
 the same. (The committed cluster/ configs against their commands: tests/test_cluster_files.py.)"""
 
@@ -12,11 +12,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from k3ray.actors import serve_cli
-from k3ray.actors.serve_config import LaunchSettings, ServeArgs
-from k3ray.actors.serve_flags import (LAUNCH_GROUP, command_flags, fields, flag, given, launch_settings, scalar,
+from k3ray.actors.serve import cli as serve_cli
+from k3ray.actors.serve.config import LaunchSettings, ServeArgs
+from k3ray.actors.serve.flags import (LAUNCH_GROUP, command_flags, fields, flag, given, launch_settings, scalar,
                                       serve_args)
-from k3ray.actors.serve_yaml import serve_config_yaml
+from k3ray.actors.serve.yaml_config import serve_config_yaml
 
 # the flags `k3ray serve` had before they were generated (README, tests and scripts use them)
 FLAGS = {
@@ -143,7 +143,7 @@ def test_the_yaml_holds_every_setting_and_reads_back_the_same():
 def test_print_config_prints_the_given_flags_only_and_starts_nothing(tmp_path):
     """$K3RAY_API_KEY stays out of the printed file; building the flags and printing imports no
     ray, torch or fastapi (`k3ray serve --help` stays fast)."""
-    code = ("import argparse, sys; from k3ray.actors import serve_cli; p = argparse.ArgumentParser(); "
+    code = ("import argparse, sys; from k3ray.actors.serve import cli as serve_cli; p = argparse.ArgumentParser(); "
             "serve_cli.add_arguments(p); rc = serve_cli.main(p.parse_args(['--seed', '5', '--print-config'])); "
             "heavy = {'ray', 'torch', 'fastapi'} & set(sys.modules); assert rc == 0 and not heavy, heavy")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,

@@ -10,13 +10,13 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3ray.actors.openai_protocol import (MAX_SEED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from k3ray.actors.openai.protocol import (MAX_SEED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                          TokenizeRequest)
-from k3ray.actors.openai_routes import build_openai_app
-from k3ray.actors.openai_serving import OpenAIServing
-from k3ray.actors.serve_config import ServeArgs
-from k3ray.actors.serve_engine import build_engine
-from k3ray.actors.serve_metrics import ServeMetrics
+from k3ray.actors.openai.routes import build_openai_app
+from k3ray.actors.openai.serving import OpenAIServing
+from k3ray.actors.serve.config import ServeArgs
+from k3ray.actors.serve.engine import build_engine
+from k3ray.actors.serve.metrics import ServeMetrics
 from k3ray.engine.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.timeout(600)

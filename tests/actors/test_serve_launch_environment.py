@@ -3,8 +3,8 @@ the instance stops, so a process that serves twice (a test session) starts each 
 
 import os
 
-from k3ray.actors import serve_launch
-from k3ray.actors.serve_isolation import remove_runtime_dir
+from k3ray.actors.serve import launch as serve_launch
+from k3ray.actors.serve.isolation import remove_runtime_dir
 
 
 def settings() -> dict:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
-from k3ray.actors.ray_connect import connect, neutral_cwd  # noqa: E402  ray.init off the repository root
+from k3ray.actors.cluster.ray_connect import connect, neutral_cwd  # noqa: E402  ray.init off the repository root
 
 pytestmark = pytest.mark.timeout(900)
 REPLICA = "ServeReplica:k3ray:K3Server"
@@ -34,8 +34,9 @@ SETTINGS = {
 
 def gang(checkpoint: str) -> tuple[float, Counter]:
     """CPUs of one replica's placement group, and its model actors by class."""
-    from k3ray.actors.replica_bundles import actor_bundles, replica_bundles
-    from k3ray.actors.serve_config import ServeArgs
+    from k3ray.actors.pipeline.actor_bundles import actor_bundles
+    from k3ray.actors.serve.replica_bundles import replica_bundles
+    from k3ray.actors.serve.config import ServeArgs
     from k3ray.config import ModelConfig
 
     args = ServeArgs.model_validate({**SETTINGS, "model": {"model": checkpoint}}).resolved()
@@ -51,8 +52,8 @@ def cluster(tiny_checkpoint):
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from k3ray.actors import serve_launch
-    from k3ray.actors.serve_isolation import free_port
+    from k3ray.actors.serve import launch as serve_launch
+    from k3ray.actors.serve.isolation import free_port
 
     gang_cpus, _ = gang(tiny_checkpoint)
     assert (1.25 * gang_cpus).is_integer(), gang_cpus  # Ray's nodes have whole CPUs

@@ -13,7 +13,7 @@ import torch
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from k3ray.actors.openai_logprobs import token_text  # noqa: E402
+from k3ray.actors.openai.logprobs import token_text  # noqa: E402
 from k3ray.api import K3  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)

@@ -24,8 +24,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from k3ray.actors.openai_protocol import MAX_SEQUENCES_PER_REQUEST, CompletionRequest
-from k3ray.actors.openai_tools import NO_PARAMETERS
+from k3ray.actors.openai.protocol import MAX_SEQUENCES_PER_REQUEST, CompletionRequest
+from k3ray.actors.openai.tools import NO_PARAMETERS
 from k3ray.engine.structured_output import check_grammar
 from k3ray.sampling_params import StructuredOutputsParams
 

@@ -88,8 +88,8 @@ def test_a_bad_checkpoint_or_a_taken_port_fails_in_one_line_within_5_s(tiny_chec
 def test_the_metrics_listener_takes_a_reset_check_quietly(monkeypatch, capfd):
     """HAProxy reads a check's status line and resets the connection: no traceback (there was one
     every second), and the check's own path answers without rendering the metrics."""
-    from k3ray.actors.metrics_listener import CHECK_PATH, MetricsListener
-    from k3ray.actors.serve_isolation import make_runtime_dir, remove_runtime_dir
+    from k3ray.actors.serve.metrics_listener import CHECK_PATH, MetricsListener
+    from k3ray.actors.serve.isolation import make_runtime_dir, remove_runtime_dir
 
     folder = make_runtime_dir()
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
@@ -118,7 +118,7 @@ def test_the_metrics_listener_takes_a_reset_check_quietly(monkeypatch, capfd):
 
 
 def test_haproxy_log_goes_to_a_ring_not_to_udp_on_loopback():
-    from k3ray.actors.haproxy_wrapper import LOG_RING, with_log_ring
+    from k3ray.actors.serve.haproxy_wrapper import LOG_RING, with_log_ring
 
     config = ("global\n    log 127.0.0.1:514 local0 info\n    log /run/x/metrics.sock len 8192 format rfc5424 local1 debug\n"
               "    stats socket /run/x/admin.sock mode 600 level admin\n\ndefaults\n    log global\n")
@@ -134,7 +134,7 @@ def test_haproxy_log_goes_to_a_ring_not_to_udp_on_loopback():
 
 COMMAND = """
 import os, subprocess, sys, time
-from k3ray.actors import serve_reaper
+from k3ray.actors.serve import reaper as serve_reaper
 mark = serve_reaper.mark_this_process()
 reaper = serve_reaper.Reaper.start(mark)
 sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
@@ -359,7 +359,7 @@ def connected_to(ray_cluster) -> str:
     """The test process as a driver of the session's loopback cluster; its address."""
     import ray
 
-    from k3ray.actors.ray_connect import connect
+    from k3ray.actors.cluster.ray_connect import connect
 
     cluster, _ = ray_cluster
     if ray.is_initialized() and ray.get_runtime_context().gcs_address != cluster.address:
@@ -381,7 +381,7 @@ def test_on_a_joined_cluster_only_the_commands_app_goes(ray_cluster, tiny_checkp
     (Ctrl-C: in under 10 s) and when it is killed (its reaper deletes the app)."""
     from ray import serve
 
-    from k3ray.actors import serve_launch
+    from k3ray.actors.serve import launch as serve_launch
 
     address = connected_to(ray_cluster)
     port = free_port()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from k3ray.actors.serve_config import ServeArgs
-from k3ray.actors.serve_engine import build_engine
+from k3ray.actors.serve.config import ServeArgs
+from k3ray.actors.serve.engine import build_engine
 
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,7 @@ def server(serve_app, tiny_checkpoint):
 def pipeline_url(server, tiny_checkpoint):
     """A second app on the same Serve instance: a 2-stage pipeline whose replica runs the tower as
     its VisionEncoder actor (in the replica's placement group)."""
-    from k3ray.actors import serve_launch
+    from k3ray.actors.serve import launch as serve_launch
 
     url = serve_launch.deploy(
         {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
@@ -212,8 +212,8 @@ def in_process_app(checkpoint: str, **engine_kw):
     """The OpenAI app over an in-process engine (no Ray, no Serve)."""
     from fastapi.testclient import TestClient
 
-    from k3ray.actors.openai_routes import build_openai_app
-    from k3ray.actors.openai_serving import OpenAIServing
+    from k3ray.actors.openai.routes import build_openai_app
+    from k3ray.actors.openai.serving import OpenAIServing
     from k3ray.engine import AsyncEngine, EngineConfig, LLMEngine, LocalExecutor
     from k3ray.tokenizer import load_tokenizer
     from k3ray.weights import load_model

@@ -12,8 +12,8 @@ from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.pipeline_replica import RayModelRunner, hop_transport  # noqa: E402
-from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure  # noqa: E402
+from k3ray.actors.pipeline.runner import RayModelRunner, hop_transport  # noqa: E402
+from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailure  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 BS = 8
@@ -90,8 +90,8 @@ def test_gloo_hops_equal_host_and_local_and_survive_a_stage_restart(ray_cluster,
 def test_serve_settings_offer_every_stage_transport():
     from typing import get_args
 
-    from k3ray.actors.protocol import STAGE_TRANSPORTS
-    from k3ray.actors.serve_config import ParallelSettings, ServeArgs
+    from k3ray.actors.pipeline.protocol import STAGE_TRANSPORTS
+    from k3ray.actors.serve.config import ParallelSettings, ServeArgs
 
     assert get_args(ParallelSettings.model_fields["stage_transport"].annotation) == STAGE_TRANSPORTS
     args = ServeArgs.model_validate({"model": {"model": "/m"}, "parallel": {"pipeline": 2, "stage_transport": "gloo"}})

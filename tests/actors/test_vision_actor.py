@@ -11,7 +11,7 @@ from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.vision_encoder import RemoteVisionEncoder, VisionEncoder  # noqa: E402
+from k3ray.actors.pipeline.vision_encoder import RemoteVisionEncoder, VisionEncoder  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""Tensors cross actor calls as one wire bundle (k3ray.actors.wire): bit-exact for every dtype
+"""Tensors cross actor calls as one wire bundle (k3ray.actors.pipeline.wire): bit-exact for every dtype
 the model uses, one bytes object for small payloads, (header, numpy) for large ones."""
 
 import pickle
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from k3ray.actors import wire
-from k3ray.actors import protocol  # noqa: F401 - registers BatchPlan's wire pickling
-from k3ray.actors.wire import pack, pack_raw, unpack, unpack_raw, unpack_tagged
+from k3ray.actors.pipeline import wire
+from k3ray.actors.pipeline import protocol  # noqa: F401 - registers BatchPlan's wire pickling
+from k3ray.actors.pipeline.wire import pack, pack_raw, unpack, unpack_raw, unpack_tagged
 from k3ray.engine.plan import BatchPlan
 
 ray_cloudpickle = pytest.importorskip("ray.cloudpickle")

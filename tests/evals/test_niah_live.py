@@ -66,8 +66,8 @@ def test_a_niah_grid_runs_through_the_live_serve_app(endpoint_run):
 
 
 def test_engine_target_gives_the_endpoints_records(endpoint_run, tiny_checkpoint, tmp_path):
-    from k3ray.actors.serve_config import ServeArgs
-    from k3ray.actors.serve_engine import build_engine
+    from k3ray.actors.serve.config import ServeArgs
+    from k3ray.actors.serve.engine import build_engine
 
     _, out = endpoint_run
     engine, _ = build_engine(ServeArgs.model_validate(serve_args(tiny_checkpoint)).resolved())

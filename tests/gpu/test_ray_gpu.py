@@ -8,8 +8,8 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.protocol import CacheSpec, ParallelConfig  # noqa: E402
-from k3ray.actors.pipeline_replica import RayModelRunner  # noqa: E402
+from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig  # noqa: E402
+from k3ray.actors.pipeline.runner import RayModelRunner  # noqa: E402
 from k3ray.engine.plan import BatchPlan  # noqa: E402
 from k3ray.models.forward_batch import ModelCache  # noqa: E402
 from k3ray.weights import load_model  # noqa: E402
@@ -23,7 +23,7 @@ ONE_GPU = dict(stage_resources={"CPU": 1, "GPU": 0.15}, shard_resources={"CPU": 
 
 @pytest.fixture(scope="module")
 def ray_one_gpu():
-    from k3ray.actors.ray_connect import connect
+    from k3ray.actors.cluster.ray_connect import connect
 
     if ray.is_initialized():
         pytest.skip("a Ray instance is already connected in this process (its nodes may have no GPU)")

@@ -10,8 +10,8 @@ import signal
 import psutil
 import pytest
 
-from k3ray.actors.serve_config import ServeArgs
-from k3ray.actors.serve_engine import local_engine
+from k3ray.actors.serve.config import ServeArgs
+from k3ray.actors.serve.engine import local_engine
 from k3ray.engine import AsyncEngine, SamplingParams
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.output_delta import DeltaDecoder, DeltaEncoder
@@ -116,8 +116,8 @@ def test_image_prompt_equals_the_in_process_engine(client, args):
     import torch
     from PIL import Image
 
-    from k3ray.actors.openai_protocol import ChatMessage
-    from k3ray.actors.openai_serving import OpenAIServing
+    from k3ray.actors.openai.protocol import ChatMessage
+    from k3ray.actors.openai.serving import OpenAIServing
     from k3ray.tokenizer import load_tokenizer
 
     pixels = torch.randint(0, 256, (56, 84, 3), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
