@@ -17,6 +17,8 @@ then execs HAProxy with the same arguments:
   before the app exists, every path gets that 503 instead of a 404.
 - `<route prefix>metrics` goes to the replicas' metrics listeners (metrics_listener.py), outside
   their request queues, once one has announced its port in the server's runtime folder.
+- At most one HAProxy thread per core this process may use (Serve's 4 threads on fewer cores only
+  contend; HAProxy advises no more threads than cores), decided on each node for its own cores.
 - HAProxy's own log goes to an in-memory ring (`show events k3ray-log` on the admin socket)
   instead of Ray's syslog target on loopback UDP (127.0.0.1:514, where nothing listens by
   default): sending there bound a UDP socket per thread to 0.0.0.0. A syslog elsewhere is kept.
@@ -54,6 +56,7 @@ _ROUTER_FAILED = re.compile(r'(http-request return status 503 )content-type text
                             r'failed: (%\[var\(txn\.ingress_request_router_failed\)\])"')
 _PORT_FILE = re.compile(r"^metrics-(.+)-(\d+)\.port$")
 _LOOPBACK_SYSLOG = re.compile(r"^([ \t]*log )(?:udp4?@|udp6@)?(?:127(?:\.\d+){3}|\[?::1\]?)(?::\d+)?(?=[ \t])", re.MULTILINE)
+_NBTHREAD = re.compile(r"^([ \t]*nbthread )(\d+)[ \t]*$", re.MULTILINE)
 _GLOBAL = re.compile(r"^global[ \t]*\n(?:(?:[ \t]+[^\n]*|[ \t]*)\n)*", re.MULTILINE)
 LOG_RING = "k3ray-log"
 UNAVAILABLE_FILE = "k3ray-unavailable.http"
@@ -66,17 +69,28 @@ STARTING_BODY = {"error": {"message": "no replica of the model is ready yet (sta
 PR_SET_PDEATHSIG = 1
 
 
-def k3ray_config(config: str, unavailable_page: str | None = None, starting_page: str | None = None) -> str:
+def k3ray_config(config: str, unavailable_page: str | None = None, starting_page: str | None = None,
+                 cores: int | None = None) -> str:
     """Serve's config with k3ray's changes; `unavailable_page`: the path of the file HAProxy answers
     its own 502/503/504 with (unavailable_response()); `starting_page`: the JSON body of a 503 from
-    the probes before a replica is ready."""
+    the probes before a replica is ready; `cores`: the cores HAProxy may use (default: this process's)."""
     config = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", _REUSE.sub(r"\1never", bind_like_frontend(config)))
+    config = with_threads_per_core(config, cores or usable_cores())
     config = with_log_ring(with_json_router_failures(without_fallback(config)))
     if unavailable_page is not None:
         config = with_error_pages(config, unavailable_page)
     if starting_page is not None:
         config = with_probes(config, starting_page)
     return config
+
+
+def with_threads_per_core(config: str, cores: int) -> str:
+    """`nbthread N` lowered to `cores` where N is more."""
+    return _NBTHREAD.sub(lambda m: f"{m.group(1)}{min(int(m.group(2)), cores)}", config)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def with_log_ring(config: str) -> str:

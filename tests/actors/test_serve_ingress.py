@@ -1,5 +1,5 @@
 """k3ray-haproxy's rewrite of the config Serve writes for HAProxy, and the environment each ingress
-starts Ray with (live: test_serve_cli, test_serve_errors)."""
+starts Ray with (node_environment.py; live: test_serve_cli, test_serve_errors)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 import pytest
 
 from k3ray.actors.haproxy_wrapper import _config_path, k3ray_config
-from k3ray.actors.serve_launch import ingress_environment
+from k3ray.actors.node_environment import node_environment
+from k3ray.actors.serve_isolation import isolation_environment, make_runtime_dir, remove_runtime_dir
 
 # the shape of Ray 2.60's rendered template, trimmed to the lines the rewrite looks at
 CONFIG = """\
@@ -132,23 +133,37 @@ def test_config_path_is_the_value_of_dash_f():
     assert _config_path(["-v"]) is None
 
 
-def test_ingress_environment(monkeypatch):
-    assert ingress_environment("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-    with pytest.raises(ValueError, match="ingress must be one of"):
-        ingress_environment("nginx")
+def test_node_and_local_environment(monkeypatch):
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
-                 "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"):
+                 "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"):
         monkeypatch.delenv(name, raising=False)
-    env = ingress_environment("haproxy")
+    assert node_environment("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                                         "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+    with pytest.raises(ValueError, match="ingress must be one of"):
+        node_environment("nginx")
+    env = node_environment("haproxy")
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
     wrapper = env["RAY_SERVE_HAPROXY_BINARY_PATH"]
     assert os.path.isabs(wrapper) and os.access(wrapper, os.X_OK) and wrapper.endswith("k3ray-haproxy")
-    # free ports unless set, so a second server on the machine does not collide on 8404 / 9101
-    stats, metrics = int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])
-    assert stats > 0 and metrics > 0
-    assert 1 <= int(env["RAY_SERVE_HAPROXY_NBTHREAD"]) <= min(4, os.cpu_count())
-    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
-    assert ingress_environment("haproxy")["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "5")  # an operator's own value is kept
+    assert node_environment("haproxy")["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "5"
+    # a local instance gets free HAProxy ports unless set, so a second server on the machine does not
+    # collide on 8404 / 9101 (a cluster node runs one Serve and keeps them)
+    folder = make_runtime_dir()
+    try:
+        local = isolation_environment(folder)
+        assert int(local["RAY_SERVE_HAPROXY_STATS_PORT"]) > 0 and int(local["RAY_SERVE_HAPROXY_METRICS_PORT"]) > 0
+        monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
+        assert isolation_environment(folder)["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+    finally:
+        remove_runtime_dir(folder)
+
+
+def test_haproxy_runs_at_most_a_thread_per_core():
+    config = "global\n    maxconn 1000\n    nbthread 4\n"
+    assert "    nbthread 2\n" in k3ray_config(config, cores=2)
+    assert "    nbthread 4\n" in k3ray_config(config, cores=64)
+    assert "nbthread 1\n" in k3ray_config(config, cores=1)
 
 
 ROUTER_FAILED = ('    http-request return status 503 content-type text/plain lf-string "Ingress request router failed: '
