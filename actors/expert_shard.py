@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from k3ray.actors.actor_device import assigned_device, placement_info
+from k3ray.actors.protocol import StageFailure
+from k3ray.actors.restartable import Restartable
 from k3ray.actors.wire import Bundle, pack_raw, unpack_tagged
 from k3ray.config import ModelConfig
 
@@ -40,7 +42,7 @@ class ExpertContainer(nn.Module):
         return self.model.layers[str(layer_idx)].block_sparse_moe.experts
 
 
-class ExpertShard:
+class ExpertShard(Restartable):
     def __init__(self, checkpoint: str, layer_range: tuple[int, int], expert_range: tuple[int, int],
                  dtype: str = "float32", torch_threads: int = 1):
         torch.set_num_threads(torch_threads)
@@ -76,7 +78,7 @@ class ExpertShard:
             held = self.replicas
             for e in set(tensors[3].tolist()) & set(ids.flatten().tolist()):
                 if e not in held:  # e.g. a restarted shard: a silent 0 would change outputs
-                    raise RuntimeError(f"expert shard {self.expert_range} holds no replica of expert {e}")
+                    raise StageFailure(f"expert shard {self.expert_range} holds no replica of expert {e}")
                 y += held[e].experts(layer_idx)(h, ids, weights)
         return pack_raw(y)
 
@@ -104,4 +106,5 @@ class ExpertShard:
         return rows
 
     def ready(self) -> dict:
-        return {"layers": self.layer_range, "experts": self.expert_range, **placement_info(self.device)}
+        return {"layers": self.layer_range, "experts": self.expert_range, **placement_info(self.device),
+                "restarted": self.restarted}

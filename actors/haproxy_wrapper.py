@@ -8,7 +8,8 @@ then execs HAProxy with the same arguments:
   its client went away (HAProxy 2.8 left that connection open), so a plain completion whose client
   disconnected was generated to the end. A fresh loopback connection per request costs ~0.1 ms.
 - HAProxy's own 502/503/504 pages (no replica, a killed replica) become a 503 with Retry-After and an
-  OpenAI error body, like the app's; the admin socket is private to the user (not mode 666).
+  OpenAI error body, like the app's, also for a request in flight on a replica that dies (server-side
+  close); the admin socket is private to the user (not mode 666).
 - A failed ingress request router (prefix-affinity routing) answers that JSON 503 too, not plain text.
 - No fallback to Serve's proxy (the `backup` server): while no replica is up, a request gets that
   503, never another server's answer or a proxy's 404.
@@ -116,8 +117,11 @@ def with_json_router_failures(config: str) -> str:
 def with_error_pages(config: str, page: str) -> str:
     """HAProxy's own 502/503/504 answered with `page`, declared where Serve declares its own: after the
     defaults' `mode http` (declared before it, in the tcp mode a section starts in, HAProxy kept a
-    plain request running after its client left)."""
-    lines = "".join(f"    errorfile {status} {page}\n" for status in (502, 503, 504))
+    plain request running after its client left). A request whose replica dies gets it too: in
+    HAProxy's default keep-alive mode, one that was not the first on its client connection was
+    closed without an answer (for the client to retry, which a POST never is); with server-side
+    close (the server connection was never reused anyway) it answers 503."""
+    lines = "".join(f"    errorfile {status} {page}\n" for status in (502, 503, 504)) + "    option http-server-close\n"
     config = _ERRORFILE.sub("", config)
     return _DEFAULTS_MODE_HTTP.sub(lambda m: m.group() + lines, config, count=1)
 

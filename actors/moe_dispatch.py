@@ -137,6 +137,9 @@ class RoutedDispatch:
         """Tell the router a step ended (not awaited): it switches to a new placement only there."""
         self.router.end_step.remote()
 
+    def reset(self, placement: Placement) -> None:
+        """After a fault: the router holds the placement (MoERouter.reset_placement)."""
+
 
 class DirectDispatch:
     """A stage's MoE layers calling the router's shards themselves; the load counts go to the
@@ -170,7 +173,8 @@ class DirectDispatch:
         """At the end of a step: take up a placement the router answered with, then report this
         step's load."""
         if self.update is not None and ray.wait([self.update], timeout=0)[0]:
-            newer, self.update = ray.get(self.update), None
+            update, self.update = self.update, None
+            newer = ray.get(update)  # a failed report fails this step once, never every later one
             if newer is not None:
                 self.placement = newer
         if not self.dispatches:
@@ -180,6 +184,13 @@ class DirectDispatch:
         self.load = torch.zeros_like(self.load)
         self.dispatches = 0
         return ref
+
+    def reset(self, placement: Placement) -> None:
+        """After a fault: take up the router's reset placement; the answer to an older report and
+        the counts of a failed step are dropped."""
+        self.placement, self.update = placement, None
+        self.load = torch.zeros_like(self.load)
+        self.dispatches = 0
 
 
 class CompiledDispatch(DirectDispatch):
@@ -222,6 +233,11 @@ class CompiledDispatch(DirectDispatch):
             self.close()
             raise StageFailure(f"compiled MoE dispatch of layer {layer_idx} failed: {type(e).__name__}: {e}") from e
         return combine(h.shape, rows, parts)
+
+    def reset(self, placement: Placement) -> None:
+        """As DirectDispatch.reset; the graph is compiled again at the next call (over restarted shards too)."""
+        super().reset(placement)
+        self.close()
 
     def _compile(self):
         from ray.dag import InputNode, MultiOutputNode

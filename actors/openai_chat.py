@@ -1,6 +1,6 @@
 """POST /v1/chat/completions: K3's chat template (continuing a trailing assistant message with
-`continue_final_message`), image and video parts, n choices, chat-format logprobs and SSE
-streaming."""
+`continue_final_message`), image and video parts, tools (openai_tools.py: calls in the message, or
+streamed as `delta.tool_calls`), n choices, chat-format logprobs and SSE streaming."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from k3ray.actors.openai_errors import bad_request
 from k3ray.actors.openai_logprobs import chat_logprobs
 from k3ray.actors.openai_protocol import ChatCompletionRequest
 from k3ray.actors.openai_serving import OpenAIServing, check_stream_options, sse, stream_error, usage
+from k3ray.actors.openai_tools import ChoiceTools, ToolPlan, tool_plan
 from k3ray.engine.outputs import CompletionOutput
 from k3ray.sampling_params import MAX_LOGPROBS
 
@@ -21,25 +22,30 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     check_stream_options(req)
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool calling is not supported by k3ray yet", "tool_choice", "unsupported_parameter")
     top = req.top_logprobs
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     if top and not req.logprobs:  # 0 asks for nothing: accepted without logprobs, as by vLLM
         raise bad_request(f"top_logprobs={top} needs logprobs=true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    prompt = await serving.chat_input(req.messages, req.add_generation_prompt, req.continue_final_message)
+    tools = tool_plan(req, serving.tokenizer, serving.info.max_schema_bytes)
+    prompt = await serving.chat_input(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                      tools.tools if tools is not None else None)
     serving.check_context([prompt], max_tokens,
                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=(top or 0) if req.logprobs else None)
+    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=(top or 0) if req.logprobs else None,
+                                     tools=tools)
     request_id = serving.request_id("chatcmpl")
     if req.stream:
-        return _stream(serving, req, prompt, params, request_id)
+        return _stream(serving, req, prompt, params, request_id, tools)
     (final,) = await serving.run_to_end([prompt], params, request_id)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _logprobs(serving, req, c, 0), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason} for c in final.outputs]
+    choices = []
+    for c in final.outputs:
+        message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        if tools is not None and tools.parse:
+            message, finish_reason = _choice_tools(serving, req, tools).message(c.text, c.finish_reason)
+        choices.append({"index": c.index, "message": message, "logprobs": _logprobs(serving, req, c, 0),
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": serving.model_name, "choices": choices,
             "usage": usage(prompt.num_tokens, sum(len(c.token_ids) for c in final.outputs))}
@@ -52,11 +58,17 @@ def _logprobs(serving: OpenAIServing, req: ChatCompletionRequest, c: CompletionO
                                      req.top_logprobs or 0)}
 
 
-async def _stream(serving, req, prompt, params, request_id) -> AsyncIterator[str]:
+def _choice_tools(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan) -> ChoiceTools:
+    return ChoiceTools(tools, serving.tokenizer, req.skip_special_tokens)
+
+
+async def _stream(serving, req, prompt, params, request_id, tools: ToolPlan | None) -> AsyncIterator[str]:
     created = int(time.time())
     text_sent = [0] * params.n
     tokens_sent = [0] * params.n
     completion_tokens = 0
+    parsers = [_choice_tools(serving, req, tools) for _ in range(params.n)] if tools is not None and tools.parse \
+        else None
 
     def chunk(choices: list[dict]) -> str:
         return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -72,11 +84,13 @@ async def _stream(serving, req, prompt, params, request_id) -> AsyncIterator[str
                     i = c.index
                     text = c.text[text_sent[i]:]
                     new_tokens = len(c.token_ids) - tokens_sent[i]
-                    if text or new_tokens or c.finished:
-                        choices.append({"index": i, "delta": {"content": text} if text else {},
+                    delta, finish_reason = {"content": text} if text else {}, c.finish_reason if c.finished else None
+                    if parsers is not None:
+                        delta, finish_reason = parsers[i].delta(text, c.finished, c.finish_reason)
+                    if delta or new_tokens or c.finished:
+                        choices.append({"index": i, "delta": delta,
                                         "logprobs": _logprobs(serving, req, c, tokens_sent[i]) if new_tokens else None,
-                                        "finish_reason": c.finish_reason if c.finished else None,
-                                        "stop_reason": c.stop_reason})
+                                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
                     text_sent[i], tokens_sent[i] = len(c.text), len(c.token_ids)
                 if out.finished:
                     completion_tokens = sum(len(c.token_ids) for c in out.outputs)

@@ -2,7 +2,8 @@
 
 Bad input of any kind (malformed JSON, wrong types, FastAPI's 422) answers 400; a model that
 cannot run now (a dead pipeline actor or engine process, being replaced) answers 503 with
-Retry-After; only another fault of the server itself answers 500.
+Retry-After, logged once with a count however many requests it fails (repeat_log.py); only another
+fault of the server itself answers 500, with its traceback logged.
 """
 
 from __future__ import annotations
@@ -18,9 +19,14 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3ray.actors.protocol import StageFailure
+from k3ray.actors.repeat_log import RepeatLog
 from k3ray.engine.engine_client import EngineDeadError
 
 logger = logging.getLogger(__name__)
+# what makes the model unavailable; a handler per class answers without Starlette's catch-all,
+# which re-raises after answering (and Serve then logs a traceback per request)
+UNAVAILABLE = (StageFailure, EngineDeadError, ray.exceptions.RayActorError)
+unavailable_log = RepeatLog(logger)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -105,7 +111,16 @@ def as_api_error(exc: BaseException, retry_after_s: float = 1.0) -> APIError:
 
 
 def _is_unavailable(exc: BaseException) -> bool:
-    return isinstance(exc, (StageFailure, EngineDeadError, ray.exceptions.RayActorError))
+    return isinstance(exc, UNAVAILABLE)
+
+
+def log_failure(exc: BaseException) -> None:
+    """A request failed with exc after its answer began (a stream) or as its answer: the model being
+    unavailable is logged once with a count, anything else with its traceback."""
+    if _is_unavailable(exc):
+        unavailable_log.failure(f"requests answered 503: {type(exc).__name__}: {exc}")
+    elif not isinstance(exc, (APIError, ValueError)):
+        logger.error("request failed", exc_info=exc)
 
 
 def install_error_handlers(app: FastAPI, retry_after_s: float = 1.0) -> None:
@@ -121,6 +136,13 @@ def install_error_handlers(app: FastAPI, retry_after_s: float = 1.0) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+
+    async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
+        log_failure(exc)
+        return as_api_error(exc, retry_after_s).response()
+
+    for kind in UNAVAILABLE:
+        app.add_exception_handler(kind, _unavailable)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:

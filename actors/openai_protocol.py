@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible routes (OpenAI's names plus vLLM's extra fields).
 
 Unknown fields are ignored, as OpenAI-compatible servers do; fields k3ray cannot honour (suffix,
-tools) are declared so that a request using them fails with a 400 instead of being silently
-served differently. Every bound a single field has is declared here, so validation and the OpenAPI
+tools on /v1/completions) are declared so that a request using them fails with a 400 instead of
+being silently served differently. Every bound a single field has is declared here, so validation and the OpenAPI
 document (openai_schema.py) state the same thing; bounds that are the server's own (its model name,
 vocabulary, context) are marked for the document and checked in OpenAIServing; rules between
 fields are checked there and SamplingParams.
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from k3ray.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from k3ray.sampling_params import FUNCTION_NAME_PATTERN, MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 # the largest int64 a double holds exactly: clients that read JSON numbers as doubles (schemathesis
 # did: it sent 2**63 + 192 as "<= 2**63 - 1") agree with the server on the bound
@@ -131,6 +131,14 @@ _GRAMMAR_RULE = {"anyOf": [  # a grammar ends with EOS: not with ignore_eos=true
 _TOP_LOGPROBS_RULE = {"anyOf": [  # top_logprobs above 0 only with logprobs=true
     {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
     {"properties": {"top_logprobs": {"enum": [0, None]}}}]}
+_NO_TOOL_GRAMMAR = {"properties": {"tool_choice": {"enum": ["none", "auto", None]}}}  # no grammar from tools
+_TOOL_CHOICE_RULE = {"anyOf": [  # required or a named function needs tools
+    {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}, _NO_TOOL_GRAMMAR]}
+_TOOL_GRAMMAR_RULE = {"anyOf": [  # a tool_choice grammar: not with ignore_eos=true, nor another grammar
+    {"properties": {"ignore_eos": {"const": False},
+                    "response_format": {"anyOf": [
+                        {"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}},
+    _NO_TOOL_GRAMMAR]}
 _ONE_TOKENIZE_INPUT = {"oneOf": [  # exactly one of prompt or messages
     {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
     {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]}
@@ -143,6 +151,9 @@ def _schema(description: str, *rules: dict):
         if rules:
             schema["allOf"] = list(rules)
     return extra
+
+
+_ABSENT = {"type": "null"}
 
 
 class CompletionRequest(SamplingFields):
@@ -163,6 +174,9 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = Field(
         True, description="accepted for vLLM compatibility; K3's tokenizers add no BOS/EOS to a prompt"
     )
+    # tool calling is chat's: these answer 400 here (OpenAIServing says why)
+    tools: Annotated[Any, WithJsonSchema(_ABSENT)] = None
+    tool_choice: Annotated[Any, WithJsonSchema(_ABSENT)] = None
 
 
 def _content_schema(parts: list[dict]) -> dict:
@@ -242,20 +256,51 @@ class ChatMessage(OpenAIModel):
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
 
 
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="a JSON Schema of the arguments (one the grammar engine can compile, else a 400); "
+                          "none: no arguments")
+    strict: bool | None = Field(None, description="accepted; constrained calls are always strict")
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+Tools = Annotated[list[Tool], Field(description="function names are unique")]
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra=_schema(
         "The rendered conversation's tokens plus max_tokens must fit the context (max_model_len); "
-        "continue_final_message needs a final assistant message; a response_format schema must compile as a "
-        "grammar.", _STREAM_OPTIONS_RULE, _GRAMMAR_RULE, _TOP_LOGPROBS_RULE))
+        "continue_final_message needs a final assistant message; a response_format schema, and each tool's "
+        "parameters, must compile as a grammar; a named tool_choice names one of tools.",
+        _STREAM_OPTIONS_RULE, _GRAMMAR_RULE, _TOP_LOGPROBS_RULE, _TOOL_CHOICE_RULE, _TOOL_GRAMMAR_RULE))
 
     messages: Messages
     max_tokens: integer(ge=1, json_schema_extra=IN_CONTEXT) | None = None
     max_completion_tokens: integer(ge=1, json_schema_extra=IN_CONTEXT) | None = None
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None
-    # tools, and a tool_choice other than "none", answer 400 (no tool calling yet) saying why
-    tools: Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
-    tool_choice: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = Field(
+        None, description="auto (the default with tools): the model may call them; none: it does not; required: "
+                          "it calls one or more (one with parallel_tool_calls=false); a named function: it calls "
+                          "that one. required and a named function constrain the output to the call")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
     # vLLM chat-template extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -272,6 +317,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = Field(None, json_schema_extra=SERVED_MODEL)
     prompt: str | None = None
     messages: Messages | None = None
+    tools: Tools | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -71,7 +71,8 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
         if req.prompt is not None:
             ids = serving.encode_text(req.prompt)
         else:
-            ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message, tools)
         body = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": None}
         if req.return_token_strs:
             body["token_strs"] = serving.tokenizer.convert_ids_to_tokens(ids)

@@ -32,6 +32,11 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "
           "properties": {k: {"type": "integer", "minimum": 0}
                          for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
 _FINISH = {"finish_reason": {"type": ["string", "null"]}, "stop_reason": {"type": ["string", "integer", "null"]}}
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string", "description": "functions.NAME:INDEX, as the model wrote it"},
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
 _MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"], "properties": {
     "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
     "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}
@@ -53,7 +58,8 @@ _JSON_ANSWERS = {  # the 200 bodies (FastAPI knows them only as `dict`)
     "/v1/completions": _answer("text_completion", {"text": {"type": "string"}, "logprobs": _NULLABLE_OBJECT}),
     "/v1/chat/completions": _answer("chat.completion", {"logprobs": _NULLABLE_OBJECT, "message": {
         "type": "object", "required": ["role", "content"],
-        "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}}),
+        "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                       "tool_calls": {"type": "array", "items": _TOOL_CALL}}}}),
     "/tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
         "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
         "tokens": {"type": "array", "items": {"type": "integer"}},

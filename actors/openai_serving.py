@@ -22,8 +22,15 @@ from dataclasses import dataclass
 import httpx
 
 from k3ray.actors.admission import Admission
-from k3ray.actors.openai_errors import APIError, as_api_error, bad_request, from_value_error
-from k3ray.actors.openai_protocol import MAX_SEQUENCES_PER_REQUEST, ChatMessage, ResponseFormat, SamplingFields
+from k3ray.actors.openai_errors import APIError, as_api_error, bad_request, from_value_error, log_failure
+from k3ray.actors.openai_protocol import (
+    MAX_SEQUENCES_PER_REQUEST,
+    ChatCompletionRequest,
+    ChatMessage,
+    ResponseFormat,
+    SamplingFields,
+)
+from k3ray.actors.openai_tools import ToolPlan, tool_calls_error_message
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
@@ -100,9 +107,9 @@ class OpenAIServing:
         return out
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool) -> list[int]:
+                    continue_final_message: bool, tools: list[dict] | None = None) -> list[int]:
         """The ids the model sees (/tokenize): media placeholders expanded to their token counts."""
-        dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message)
+        dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message, tools)
         media = self._chat_media(dicts) if media_parts(dicts) else []  # a text-only model has no media config
         if not media:
             return ids
@@ -113,14 +120,14 @@ class OpenAIServing:
             raise bad_request(str(e), "messages") from e
 
     async def chat_input(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                         continue_final_message: bool) -> Prompt:
+                         continue_final_message: bool, tools: list[dict] | None = None) -> Prompt:
         """Chat ids plus their images / videos, decoded and preprocessed off the event loop."""
-        dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message)
+        dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message, tools)
         media = await asyncio.to_thread(self._chat_media, dicts) if media_parts(dicts) else []
         return Prompt(ids, None, tuple(media))
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                  continue_final_message: bool) -> tuple[list[dict], list[int]]:
+                  continue_final_message: bool, tools: list[dict] | None) -> tuple[list[dict], list[int]]:
         dicts = []
         for i, message in enumerate(messages):
             d = normalize_chat_role(message.model_dump(exclude_none=True))
@@ -133,7 +140,7 @@ class OpenAIServing:
                                       f"messages[{i}].content[{j}]", "unsupported_content")
             dicts.append(d)
         try:
-            return dicts, self.tokenizer.encode_chat(dicts, add_generation_prompt, continue_final_message)
+            return dicts, self.tokenizer.encode_chat(dicts, add_generation_prompt, continue_final_message, tools)
         except ValueError as e:
             raise bad_request(str(e), "messages") from e
 
@@ -181,8 +188,14 @@ class OpenAIServing:
 
     # sampling ----------------------------------------------------------------------------------
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, tools: ToolPlan | None = None) -> SamplingParams:
+        """tools: a chat request's tool plan (its grammar, stop tokens, and text with special tokens)."""
         _reject_unsupported(req)
+        structured_outputs = _structured_outputs(req.response_format)
+        stop_token_ids = tuple(req.stop_token_ids or ())
+        if tools is not None:
+            structured_outputs = tools.structured_outputs or structured_outputs
+            stop_token_ids += tuple(t for t in tools.stop_token_ids if t not in stop_token_ids)
         try:
             params = SamplingParams(
                 n=req.n,
@@ -193,18 +206,18 @@ class OpenAIServing:
                 seed=req.seed,
                 max_tokens=max_tokens,
                 stop=req.stop,
-                stop_token_ids=tuple(req.stop_token_ids or ()),
+                stop_token_ids=stop_token_ids,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=req.skip_special_tokens and not (tools is not None and tools.parse),
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias=req.logit_bias,
                 best_of=getattr(req, "best_of", None),
-                structured_outputs=_structured_outputs(req.response_format),
+                structured_outputs=structured_outputs,
             )
             params.validate(self.vocab_size, self.max_model_len, self.info.max_schema_bytes)
             if params.structured_outputs is not None:  # so a schema xgrammar cannot use is a 400 before any stream
@@ -267,6 +280,7 @@ def sse(payload: dict | str) -> str:
 
 
 def stream_error(e: BaseException) -> str:
+    log_failure(e)
     err = request_error(e) if isinstance(e, ValueError) else as_api_error(e)
     return sse(err.body())
 
@@ -275,6 +289,8 @@ def request_error(e: ValueError) -> APIError:
     """A ValueError about the request -> 400 naming its field; the engine's structured_outputs (a
     schema refused, or whose grammar could not be compiled) is the client's response_format."""
     error = from_value_error(e, PARAM_NAMES)
+    if error.param == "structured_outputs" and str(e).startswith("structured_outputs.tool_calls"):
+        return bad_request(tool_calls_error_message(str(e)), "tools")
     if error.param == "structured_outputs":
         return bad_request(str(e).replace("structured_outputs.json", "response_format.json_schema.schema", 1),
                            "response_format")
@@ -291,8 +307,10 @@ def _reject_unsupported(req: SamplingFields) -> None:
     if getattr(req, "suffix", None):
         raise bad_request("suffix is not supported: K3 is not trained to insert text before a suffix "
                           "(fill-in-the-middle)", "suffix", "unsupported_parameter")
-    if getattr(req, "tools", None):
-        raise bad_request("tools are not supported by k3ray yet", "tools", "unsupported_parameter")
+    for field in ("tools", "tool_choice"):
+        if not isinstance(req, ChatCompletionRequest) and getattr(req, field, None) is not None:
+            raise bad_request(f"{field} is only for /v1/chat/completions: a completion is plain text",
+                              field, "unsupported_parameter")
 
 
 def _structured_outputs(response_format: ResponseFormat | None) -> StructuredOutputsParams | None:

@@ -4,7 +4,10 @@ vision tower — driven one step at a time.
 
 Activations go stage to stage as object refs (never through the driver); the driver only gets
 the last stage's logits. Every wait has a timeout; a dead or stuck actor fails the step with
-StageFailure, and Ray restarts the actor (which reloads its weights, with empty caches).
+StageFailure, and Ray restarts the actor (which reloads its weights, with empty caches). Faults are
+contained by PipelineFaults (pipeline_faults.py): steps are refused while the runner waits for the
+restarted actors and rebuilds around them, and `health()` probes the real step path (one token in
+a state slot and MLA block of its own, beyond the engine's).
 
 Actors given GPUs compute on them (actor_device). The tensor path between stages is chosen once
 the actors are up (hop_transport): "nccl" (Ray's GPU-object transport, GPU to GPU) when every
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 import torch
@@ -28,7 +31,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from k3ray.actors.expert_shard import ExpertShard
 from k3ray.actors.moe_dispatch import ShardMap
-from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure
+from k3ray.actors.pipeline_faults import ALIVE, REPLACED, RESTARTED, PipelineFaults
+from k3ray.actors.protocol import CacheSpec, ParallelConfig, PipelineLost, StageFailure
 from k3ray.actors.replica_bundles import actor_bundles
 from k3ray.actors.router import MoERouter
 from k3ray.actors.stage import PipelineStage
@@ -36,7 +40,7 @@ from k3ray.actors.vision_encoder import VisionEncoder
 from k3ray.actors.wire import unpack
 from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
-from k3ray.engine.plan import BatchPlan
+from k3ray.engine.plan import BatchPlan, StepPlan
 from k3ray.vision import has_vision_weights
 
 logger = logging.getLogger(__name__)
@@ -84,6 +88,11 @@ class RayModelRunner:
         if parallel.expert_parallel > self.config.num_experts:
             raise ValueError(f"expert_parallel={parallel.expert_parallel} exceeds num_experts={self.config.num_experts}")
         self.parallel, self.cache_spec, self.checkpoint = parallel, cache, checkpoint
+        # the health probe's state slot and MLA block: one of each beyond the engine's
+        self._probe_plan = BatchPlan(torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1]),
+                                     torch.tensor([cache.num_state_slots]), torch.tensor([[cache.num_blocks]]),
+                                     logits_indices=torch.tensor([0]))
+        stage_cache = replace(cache, num_state_slots=cache.num_state_slots + 1, num_blocks=cache.num_blocks + 1)
         layer_ranges = split_range(self.config.num_layers, parallel.pipeline)
         expert_ranges = split_range(self.config.num_experts, parallel.expert_parallel)
         bundles, roles = actor_bundles(self.config, parallel)
@@ -121,13 +130,12 @@ class RayModelRunner:
         index = {role: bundle_offset + b for b, role in enumerate(roles)}
         self.groups: list[_StageGroup] = []
         self.stage_group = None  # Ray's collective group over the stages, when hops use one
-        self.stage_group_stale = False  # a step failed on it: fresh stages and group before the next step
         self.stage_group_restarts = 0  # each one counts against parallel.max_restarts
         self.vision: "ray.actor.ActorHandle | None" = None
 
         def start_stage(s: int, router: "ray.actor.ActorHandle | None") -> "ray.actor.ActorHandle":
             return remote_stage.options(**opts(index[("stage", s, None)], parallel.stage_resources)).remote(
-                checkpoint, layer_ranges[s], cache, router, parallel)
+                checkpoint, layer_ranges[s], stage_cache, router, parallel)
 
         self._start_stage = start_stage
         for s, layers in enumerate(layer_ranges):
@@ -153,6 +161,8 @@ class RayModelRunner:
             logger.warning("pipeline hops go through host memory: GLOO carries CPU tensors only, and a stage has a GPU")
         if self.hop_transport in COLLECTIVE_BACKENDS:
             self._connect_stages()
+        self.faults = PipelineFaults(self.ping, self._rebuild, self._probe, ready_timeout_s, parallel.call_timeout_s)
+        self._last_load: list[list[int]] = [[0] * self.config.num_experts if g.router else [] for g in self.groups]
 
     @staticmethod
     def _balancing(parallel: ParallelConfig) -> tuple[int, int]:
@@ -191,19 +201,63 @@ class RayModelRunner:
             self.hop_transport = "host"
 
     def _rejoin_stages(self) -> None:
-        """After a failed step on a collective hop path: fresh stage actors on the same bundles
+        """After a fault on a collective hop path: fresh stage actors on the same bundles
         (with empty caches, as a restart), and a new group over them once they have loaded.
         Restarting in place cannot work: a restarted stage is in no group, and Ray kills both
         ends of a failed collective transfer for good, possibly after the step has failed."""
         if self.stage_group_restarts >= self.parallel.max_restarts:
-            raise StageFailure(f"the stages were restarted {self.stage_group_restarts} times (max_restarts)")
+            raise PipelineLost(f"the stages were restarted {self.stage_group_restarts} times (max_restarts)")
         self.stage_group_restarts += 1
         for s, g in enumerate(self.groups):
             ray.kill(g.stage, no_restart=True)
             g.stage = self._start_stage(s, g.router)
         self._get([g.stage.ready.remote() for g in self.groups], "stage restart")
-        self.stage_group_stale = False
         self._connect_stages()
+
+    def _rebuild(self) -> bool:
+        """After a fault, every actor answering again (PipelineFaults): the routers offer their
+        static ranges and the stages take them up (a restarted shard holds no replicas, a restarted
+        router no placement), a collective hop path gets fresh stages and group, and the restarted
+        actors are taken back -> whether stage caches were lost."""
+        placements = [self._get(g.router.reset_placement.remote(), "placement reset") if g.router else None
+                      for g in self.groups]
+        rejoined = self.hop_transport in COLLECTIVE_BACKENDS
+        if rejoined:
+            self._rejoin_stages()
+        self._get([g.stage.reset_dispatch.remote(p) for g, p in zip(self.groups, placements)], "dispatch reset")
+        stages = self._get([g.stage.ready.remote() for g in self.groups], "stage check")
+        self._get([handle.adopt.remote() for _, handle in self.actors()], "restart adoption")
+        return rejoined or any(info["restarted"] for info in stages)
+
+    def _probe(self) -> None:
+        """One token through every stage (and the shards it routes to), in the probe's own slot and block."""
+        logits = self._step(self._probe_plan)
+        if not torch.isfinite(logits).all():
+            raise StageFailure("the health probe step's logits are not finite")
+
+    def ping(self, timeout_s: float = 5.0) -> dict[str, str]:
+        """Every actor's state, asked at once: ALIVE, RESTARTED (alive after a restart Ray made, not
+        taken back yet), "restarting", "dead (...)" (gone for good; REPLACED for a stage of a
+        collective hop path, which the recovery starts afresh), or what else went wrong."""
+        named = self.actors()
+        replaceable = {name for name, _ in named if name.startswith("stage ")} \
+            if self.hop_transport in COLLECTIVE_BACKENDS else set()
+        refs = [handle.ready.remote() for _, handle in named]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        status = {}
+        for (name, _), ref in zip(named, refs):
+            if ref not in done:
+                status[name] = f"not answering within {timeout_s:.0f} s"
+                continue
+            try:
+                status[name] = RESTARTED if ray.get(ref).get("restarted") else ALIVE
+            except ray.exceptions.ActorUnavailableError:
+                status[name] = "restarting"
+            except ray.exceptions.ActorDiedError as e:
+                status[name] = REPLACED if name in replaceable else f"dead ({type(e).__name__})"
+            except Exception as e:  # noqa: BLE001 - any failure is reported, not raised
+                status[name] = f"unavailable: {type(e).__name__}"
+        return status
 
     def actors(self) -> list[tuple[str, "ray.actor.ActorHandle"]]:
         out = []
@@ -227,10 +281,20 @@ class RayModelRunner:
         stage_infos = [info for (name, _), info in zip(named, infos) if name.startswith("stage ")]
         return {name: info["node_id"] for (name, _), info in zip(named, infos)}, stage_infos
 
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """One engine step: its state copies and batches -> logits of every batch, concatenated."""
+        with self.faults.stepping():
+            self._copy_states(plan.pre_copies)
+            out = [self._step(b) for b in plan.batches]
+            self._copy_states(plan.post_copies)
+        return torch.cat(out) if out else torch.zeros(0, self.config.vocab_size)
+
     def step(self, plan: BatchPlan) -> torch.Tensor:
         """Run one batch through every stage -> logits [len(plan.logits_indices), V] fp32."""
-        if self.stage_group_stale:
-            self._rejoin_stages()
+        with self.faults.stepping():
+            return self._step(plan)
+
+    def _step(self, plan: BatchPlan) -> torch.Tensor:
         collective = self.hop_transport in COLLECTIVE_BACKENDS
         ref = None
         last = len(self.groups) - 1
@@ -242,11 +306,8 @@ class RayModelRunner:
                 ref = g.stage.forward.remote(stage_plan, ref)
         try:
             return unpack(self._get(ref, "model step"))[0]
-        except (StageFailure, ray.exceptions.RayTaskError) as e:
+        except ray.exceptions.RayTaskError as e:
             if not collective:
-                raise
-            self.stage_group_stale = True
-            if isinstance(e, StageFailure):
                 raise
             # a hop whose peer died or is in no group fails inside the receiving stage
             raise StageFailure(f"model step failed on the {self.hop_transport} hop path: {type(e.cause).__name__}: "
@@ -256,31 +317,36 @@ class RayModelRunner:
         """Packed media -> [n_tokens, text_hidden] from the replica's VisionEncoder."""
         if self.vision is None:
             raise ValueError("this replica has no vision encoder (the checkpoint has no vision tower)")
-        return self._get(self.vision.encode.remote(pixel_values, grid_thws), "vision encode")
+        with self.faults.stepping():
+            return self._get(self.vision.encode.remote(pixel_values, grid_thws), "vision encode")
 
-    def copy_states(self, src: list[int], dst: list[int]) -> None:
-        if src:
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src, dst = [int(a) for a, _ in pairs], [int(b) for _, b in pairs]
             self._get([g.stage.copy_states.remote(src, dst) for g in self.groups], "state copy")
 
     def expert_load(self) -> list[list[int]]:
-        """Per stage: routed (token, expert) pairs per expert since start (Router counters)."""
-        if self.parallel.moe_dispatch != "router":
-            self._get([g.stage.flush_load.remote() for g in self.groups if g.router], "expert load")
-        return [self._get(g.router.expert_load.remote(), "expert load") if g.router else [] for g in self.groups]
+        """Per stage: routed (token, expert) pairs per expert since start (Router counters); the
+        last counts while the pipeline recovers or an actor does not answer (a scrape never fails)."""
+        if self.faults.fault is not None:
+            return self._last_load
+        try:
+            if self.parallel.moe_dispatch != "router":
+                self._get([g.stage.flush_load.remote() for g in self.groups if g.router], "expert load")
+            self._last_load = [self._get(g.router.expert_load.remote(), "expert load") if g.router else []
+                               for g in self.groups]
+        except StageFailure:
+            pass
+        return self._last_load
 
-    def health(self, timeout_s: float = 10.0) -> dict:
-        """Ping every actor; report dead actors and Ray nodes that left the cluster."""
-        status = {}
-        for name, handle in self.actors():
-            try:
-                ray.get(handle.ready.remote(), timeout=timeout_s)
-                status[name] = "alive"
-            except Exception as e:  # noqa: BLE001 - any failure is reported, not raised
-                status[name] = f"unavailable: {type(e).__name__}"
+    def health(self) -> dict:
+        """Whether the pipeline can step (PipelineFaults.health: a probe step while idle, the last
+        step while busy, a fault's state), each actor's state, and Ray nodes that left the cluster."""
+        report = self.faults.health()
         nodes = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
         lost = sorted({nid for nid in self.placement.values() if not nodes.get(nid, False)})
-        return {"healthy": all(v == "alive" for v in status.values()) and not lost,
-                "actors": status, "lost_nodes": lost, "hop_transport": self.hop_transport}
+        return {**report, "healthy": report["healthy"] and not lost, "lost_nodes": lost,
+                "hop_transport": self.hop_transport}
 
     def _get(self, refs, what: str):
         t0 = time.monotonic()
@@ -295,11 +361,14 @@ class RayModelRunner:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             if isinstance(cause, StageFailure):
                 raise StageFailure(f"{what} failed inside the pipeline: {cause}") from e
-            if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
+            if isinstance(cause, ray.exceptions.RayError):
                 raise StageFailure(f"{what} failed inside the pipeline: {type(cause).__name__}: {cause}") from e
             raise
+        except ray.exceptions.RayError as e:  # an object lost with its node, its owner gone, ...
+            raise StageFailure(f"{what} failed: {type(e).__name__}: {e}") from e
 
     def shutdown(self) -> None:
+        self.faults.close()
         self.stage_group = None  # its communicators end with the stages' processes
         for _, handle in self.actors():
             ray.kill(handle, no_restart=True)

@@ -94,3 +94,7 @@ copyreg.pickle(BatchPlan, _plan_to_wire)
 
 class StageFailure(RuntimeError):
     """A pipeline stage, router or expert shard died or timed out during a step."""
+
+
+class PipelineLost(StageFailure):
+    """An actor of the pipeline is gone for good (out of restarts): the replica must be replaced."""

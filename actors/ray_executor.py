@@ -41,10 +41,7 @@ class RayExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         assert self.runner is not None, "allocate_cache() first"
-        self.runner.copy_states(*_unzip(plan.pre_copies))
-        out = [self.runner.step(b) for b in plan.batches]
-        self.runner.copy_states(*_unzip(plan.post_copies))
-        return torch.cat(out) if out else torch.zeros(0, self.config.vocab_size)
+        return self.runner.execute(plan)
 
     @property
     def has_vision(self) -> bool:
@@ -71,7 +68,3 @@ class RayExecutor(Executor):
         if self.runner is not None:
             self.runner.shutdown()
             self.runner = None
-
-
-def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    return [int(a) for a, _ in pairs], [int(b) for _, b in pairs]

@@ -15,10 +15,12 @@ import torch
 
 from k3ray.actors.expert_placement import Placement, balance, max_over_mean
 from k3ray.actors.moe_dispatch import ShardMap, fan_out
+from k3ray.actors.protocol import StageFailure
+from k3ray.actors.restartable import Restartable
 from k3ray.actors.wire import Bundle, pack_raw, unpack, unpack_tagged
 
 
-class MoERouter:
+class MoERouter(Restartable):
     def __init__(self, shards: ShardMap, num_experts: int, call_timeout_s: float, torch_threads: int = 1,
                  redundant_experts: int = 0, rebalance_steps: int = 0):
         torch.set_num_threads(torch_threads)
@@ -64,7 +66,10 @@ class MoERouter:
 
     def record_load(self, counts: Bundle, dispatches: int, version: int = 0) -> Placement | None:
         """Load counts of a stage's direct dispatches (sent once per step, not awaited) with the
-        placement version it used -> a newer placement to take up before its next step, or None."""
+        placement version it used -> a newer placement to take up before its next step, or None.
+        Raises until the runner takes a restarted router back: the stage's placement is not its own."""
+        if self.restarted:
+            raise StageFailure("the MoE router was restarted: it lost the placement the stage uses")
         self.load += unpack(counts)[0]
         self.calls += dispatches
         self.in_use = version
@@ -118,6 +123,15 @@ class MoERouter:
         for (_, _, shard), experts in zip(self.shards, lost.replicas):
             shard.add_replicas.remote(list(experts))
 
+    def reset_placement(self) -> Placement:
+        """After a fault in the replica: offer the static ranges (a version above every one offered
+        so far, so no answer to an older report replaces it) with nothing pending -> that placement,
+        which the runner hands the stage (the next rebalance places replicas again)."""
+        version = max(self.placement.version, self.pending.version if self.pending else 0) + 1
+        self.placement = Placement(self.placement.ranges, tuple(() for _ in self.shards), version)
+        self.pending, self.in_use, self.dropped = None, version, version
+        return self.placement
+
     def current_placement(self) -> dict:
         """The placement offered, the version the stage uses, and whether one is still loading."""
         return {"version": self.placement.version, "in_use": self.in_use, "pending": self.pending is not None,
@@ -129,4 +143,4 @@ class MoERouter:
 
     def ready(self) -> dict:
         return {"shards": [(e0, e1) for e0, e1, _ in self.shards],
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "restarted": self.restarted}

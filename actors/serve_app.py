@@ -83,22 +83,32 @@ class K3Server:
                                 retry_after_s=self.args.server.retry_after_s)
 
     async def health(self) -> tuple[bool, str]:
-        """A local model is healthy while the replica answers (and its engine process lives); a Ray
-        pipeline pings its actors."""
-        if isinstance(self.engine, EngineClient):
-            return self.engine.alive, f"engine process exit code {self.engine.process.poll()}"
-        executor_health = getattr(self.executor, "health", None)
-        if executor_health is None:
-            return True, ""
-        report = await asyncio.to_thread(executor_health)
-        bad = {name: state for name, state in report["actors"].items() if state != "alive"}
-        return report["healthy"], f"actors {bad}, lost nodes {report['lost_nodes']}"
+        """Whether the model can step now: a local model while the replica answers (and its engine
+        process lives); a Ray pipeline by a probe step through it while idle, its last step while
+        busy (RayModelRunner.health), naming the actors lost while it recovers."""
+        ok, detail, _ = await self._health()
+        return ok, detail
 
     async def check_health(self) -> None:
-        """Serve's periodic probe: an unhealthy pipeline makes Serve replace the whole replica."""
-        ok, detail = await self.health()
-        if not ok:
+        """Serve's periodic probe: a pipeline that cannot step and will not recover by itself (an
+        actor gone for good, a recovery past its time, a stuck step) makes Serve replace the whole
+        replica; one recovering answers 503 meanwhile, but stays."""
+        ok, detail, recovering = await self._health()
+        if not ok and not recovering:
             raise RuntimeError(detail)
+
+    async def _health(self) -> tuple[bool, str, bool]:
+        if isinstance(self.engine, EngineClient):
+            return self.engine.alive, f"engine process exit code {self.engine.process.poll()}", False
+        executor_health = getattr(self.executor, "health", None)
+        if executor_health is None:
+            return True, "", False
+        report = await asyncio.to_thread(executor_health)
+        bad = {name: state for name, state in report["actors"].items() if state != "alive"}
+        state = report.get("state", "serving")
+        detail = f"pipeline {state}: {report.get('cause') or 'a node was lost'}; actors {bad}, " \
+                 f"lost nodes {report['lost_nodes']}"
+        return report["healthy"], detail, state == "recovering" and not report["lost_nodes"]
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook: this replica's load for the llm autoscaling policy (load_signals.py)."""

@@ -14,13 +14,15 @@ import ray
 import torch
 
 from k3ray.actors.actor_device import assigned_device, placement_info
+from k3ray.actors.expert_placement import Placement
 from k3ray.actors.moe_dispatch import DirectDispatch, MoEDispatch, RemoteExperts, make_dispatch
-from k3ray.actors.protocol import CacheSpec, ParallelConfig
+from k3ray.actors.protocol import CacheSpec, ParallelConfig, StageFailure
+from k3ray.actors.restartable import Restartable
 from k3ray.actors.wire import Bundle, pack, unpack, unpack_tagged
 from k3ray.engine.plan import BatchPlan
 
 
-class PipelineStage:
+class PipelineStage(Restartable):
     def __init__(self, checkpoint: str, layer_range: tuple[int, int], cache_spec: CacheSpec,
                  router: "ray.actor.ActorHandle | None", parallel: ParallelConfig):
         from k3ray.config import ModelConfig
@@ -54,6 +56,8 @@ class PipelineStage:
         or GLOO transport to carry (a carry that came that way arrives as those tensors, here)."""
         from k3ray.vision.placeholders import splice_media_embeddings
 
+        if self.restarted:  # the engine's sequences and prefix cache point into caches this process never held
+            raise StageFailure(f"the stage of layers {self.layer_range} was restarted with empty caches")
         batch = plan.forward_batch(self.cache)  # indices to the cache's device, once for every layer
         if self.model.is_first:
             hidden, bank = self.model.embed(plan.input_ids.to(self.device)), []
@@ -100,9 +104,15 @@ class PipelineStage:
             times.append(1000 * (time.perf_counter() - t0))
         return times
 
+    def reset_dispatch(self, placement: Placement | None) -> None:
+        """After a fault in the replica: the MoE dispatch takes up the router's reset placement
+        (MoERouter.reset_placement) and drops what the fault left (a failed report, a compiled graph)."""
+        if self.dispatch is not None:
+            self.dispatch.reset(placement)
+
     def relay(self, carry):
         """Hand a carry straight on (measures the Ray cost of one pipeline hop)."""
         return carry
 
     def ready(self) -> dict:
-        return {"layers": self.layer_range, **placement_info(self.device)}
+        return {"layers": self.layer_range, **placement_info(self.device), "restarted": self.restarted}

@@ -8,9 +8,10 @@ import ray
 import torch
 
 from k3ray.actors.actor_device import assigned_device, placement_info
+from k3ray.actors.restartable import Restartable
 
 
-class VisionEncoder:
+class VisionEncoder(Restartable):
     def __init__(self, checkpoint: str, dtype: str = "float32", torch_threads: int = 1):
         from k3ray.vision import load_vision
 
@@ -26,7 +27,7 @@ class VisionEncoder:
         return encode_media(self.model, pixel_values.to(self.device), grid_thws).cpu()
 
     def ready(self) -> dict:
-        return placement_info(self.device)
+        return {**placement_info(self.device), "restarted": self.restarted}
 
 
 class RemoteVisionEncoder:

@@ -5,28 +5,94 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+@dataclass(frozen=True)
+class ToolCallsFormat:
+    """A tool-call section in Kimi's format (k3ray.tokenizer.tool_calls): the section's markers,
+    then one call (several with `parallel`) of the named functions, each
+    `<call begin>functions.NAME:INDEX<argument begin>{arguments}<call end>`, the arguments strict JSON
+    matching that function's parameters schema. `functions` holds (name, parameters schema as a
+    dict or its JSON text, kept as compact JSON text); `markers` the ids of the five marker tokens
+    (`k3ray.tokenizer.tool_calls.marker_ids`)."""
+
+    functions: tuple[tuple[str, str | dict], ...]
+    markers: tuple[int, int, int, int, int]  # section begin, call begin, argument begin, call end, section end
+    parallel: bool = True
+
+    def __post_init__(self) -> None:
+        functions = tuple(self.functions) if isinstance(self.functions, (list, tuple)) else None
+        if not functions:
+            raise ValueError(f"structured_outputs.tool_calls needs at least one function, got {self.functions!r}")
+        checked = []
+        for item in functions:
+            name, schema = item if isinstance(item, (list, tuple)) and len(item) == 2 else (None, None)
+            if not isinstance(name, str):
+                raise ValueError(f"structured_outputs.tool_calls functions are (name, parameters schema), got {item!r}")
+            if not re.match(FUNCTION_NAME_PATTERN, name):
+                raise ValueError(f"structured_outputs.tool_calls: function name {name!r} does not match "
+                                 f"{FUNCTION_NAME_PATTERN}")
+            if isinstance(schema, dict):
+                schema = _json_text(schema, tool_schema_field(name))
+            elif not isinstance(schema, str):
+                raise ValueError(f"structured_outputs.tool_calls: the parameters of function {name!r} must be a JSON "
+                                 f"schema (dict or str), got {schema!r}")
+            checked.append((name, schema))
+        if len({name for name, _ in checked}) != len(checked):
+            raise ValueError("structured_outputs.tool_calls: two functions share one name")
+        object.__setattr__(self, "functions", tuple(checked))
+        markers = tuple(self.markers)
+        if len(markers) != 5 or len(set(markers)) != 5:
+            raise ValueError(f"structured_outputs.tool_calls.markers must be 5 distinct token ids, got {markers!r}")
+        for t in markers:
+            _check_int("structured_outputs.tool_calls.markers entry", t, low=0)
+        object.__setattr__(self, "markers", markers)
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """What the output must parse as (vLLM's names): `json` a JSON schema (a dict or its JSON text,
-    kept as compact JSON text in its key order), or `json_object` any JSON object. Exactly one is set."""
+    kept as compact JSON text in its key order), `json_object` any JSON object, or `tool_calls` a
+    tool-call section (ToolCallsFormat). Exactly one is set."""
 
     json: str | dict | None = None
     json_object: bool = False
+    tool_calls: ToolCallsFormat | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
             object.__setattr__(self, "json", _json_text(self.json))
         elif self.json is not None and not isinstance(self.json, str):
             raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}")
-        if (self.json is not None) == bool(self.json_object):
-            raise ValueError("structured_outputs needs exactly one of json (a schema) or json_object=True")
+        if self.tool_calls is not None and not isinstance(self.tool_calls, ToolCallsFormat):
+            raise ValueError(f"structured_outputs.tool_calls must be a ToolCallsFormat, got {self.tool_calls!r}")
+        if (self.json is not None) + bool(self.json_object) + (self.tool_calls is not None) != 1:
+            raise ValueError("structured_outputs needs exactly one of json (a schema), json_object=True or tool_calls")
+
+    @property
+    def field(self) -> str:
+        """The field an error about this grammar names."""
+        return "structured_outputs.tool_calls" if self.tool_calls is not None else "structured_outputs.json"
+
+    def schemas(self) -> list[tuple[str, str]]:
+        """(field an error names, JSON schema text) of each schema in the grammar."""
+        if self.json is not None:
+            return [("structured_outputs.json", self.json)]
+        if self.tool_calls is not None:
+            return [(tool_schema_field(name), schema) for name, schema in self.tool_calls.functions]
+        return []
+
+
+def tool_schema_field(name: str) -> str:
+    """How errors name the parameters schema of the tool-call function `name`."""
+    return f"structured_outputs.tool_calls[{name!r}].parameters"
 
 
 @dataclass(frozen=True)
@@ -108,10 +174,16 @@ class SamplingParams:
         bad = [t for t in self.logit_bias or {} if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
-        if self.structured_outputs is not None and self.structured_outputs.json is not None:
+        if self.structured_outputs is not None:
             from k3ray.engine.strict_json import checked_schema
 
-            checked_schema(self.structured_outputs.json, max_schema_bytes)
+            for field, schema in self.structured_outputs.schemas():
+                checked_schema(schema, max_schema_bytes, field)
+            tool_calls = self.structured_outputs.tool_calls
+            bad = [t for t in tool_calls.markers if t >= vocab_size] if tool_calls is not None else []
+            if bad:
+                raise ValueError(f"structured_outputs.tool_calls.markers {bad} are outside the vocabulary "
+                                 f"[0, {vocab_size})")
         if self.max_tokens is not None and self.max_tokens >= max_model_len:
             raise ValueError(
                 f"max_tokens={self.max_tokens} can never be reached: at most max_model_len - 1 = "
@@ -194,11 +266,11 @@ def _int_keys(logit_bias: object) -> dict[int, float]:
     return out
 
 
-def _json_text(schema: dict) -> str:
+def _json_text(schema: dict, what: str = "structured_outputs.json") -> str:
     try:
         return json.dumps(schema, separators=(",", ":"))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"structured_outputs.json is not JSON-serialisable: {e}") from None
+        raise ValueError(f"{what} is not JSON-serialisable: {e}") from None
 
 
 def _check_real(name: str, value: object) -> None:

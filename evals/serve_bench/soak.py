@@ -7,6 +7,9 @@ it afterwards; memory is the resident set of the Serve replicas and their engine
 machine (null for a remote endpoint). The JSON holds `requests`, `errors_by_type` (HTTP statuses as
 `http_<code>`, client exceptions by class, streams that ended in an error event as `stream_error`),
 `rss_mb_start`, `rss_mb_end` and `rss_mb_over_time` ([requests done, MB] pairs).
+
+With --chaos it soaks a pipeline 2 x expert-parallel 2 server of its own for --duration seconds
+while killing a random stage, shard or replica every --fault-every seconds (chaos.py).
 """
 
 from __future__ import annotations
@@ -34,9 +37,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (default 8)")
     parser.add_argument("--samples", type=int, default=10, help="memory samples over the run (default 10)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument("--chaos", action="store_true",
+                        help="start a pipeline 2 x expert-parallel 2 server and kill a random stage, shard or replica "
+                        "every --fault-every seconds, for --duration seconds (instead of --requests); greedy requests")
+    parser.add_argument("--duration", type=float, default=600.0, help="--chaos: seconds of load (default 600)")
+    parser.add_argument("--fault-every", type=float, default=30.0,
+                        help="--chaos: seconds between faults, each after the last recovered (default 30)")
+    parser.add_argument("--seed", type=int, default=0, help="--chaos: which targets, in which order")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.chaos:
+        from k3ray.evals.serve_bench.chaos import run_chaos
+
+        return run_chaos(args)
     for name in ("requests", "concurrency", "max_tokens", "samples"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -107,7 +107,7 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams) -> GrammarJob:
         """The compile of params' grammar: done already when cached (or known to fail), else queued."""
-        key = hashlib.sha256(f"{params.json_object}\0{params.json}".encode()).hexdigest()
+        key = hashlib.sha256(repr(params).encode()).hexdigest()  # a frozen dataclass of text, ints and tuples
         with self._lock:
             assert not self._closed, "the grammar compiler is closed"
             job = self._jobs.get(key)
@@ -280,23 +280,23 @@ class GrammarWorker:
         deadline = time.monotonic() + limits.timeout_s
         while not self.conn.poll(POLL_S):
             if not self.alive:
-                raise ValueError(f"structured_outputs.json: the grammar engine crashed compiling its grammar "
+                raise ValueError(f"{params.field}: the grammar engine crashed compiling its grammar "
                                  f"(exit code {self.process.returncode})")
             if self.grown() > limits.memory_bytes:
                 self.stop()
-                raise ValueError(f"structured_outputs.json: compiling its grammar took more than "
+                raise ValueError(f"{params.field}: compiling its grammar took more than "
                                  f"{limits.memory_bytes / MiB:g} MiB of memory (grammar_compile_memory_bytes)")
             if time.monotonic() > deadline:
                 self.stop()
-                raise ValueError(f"structured_outputs.json: its grammar did not compile within {limits.timeout_s:g} s "
+                raise ValueError(f"{params.field}: its grammar did not compile within {limits.timeout_s:g} s "
                                  "(grammar_compile_timeout_s)")
         try:
             kind, value = recv(self.conn)
         except (EOFError, OSError):
             self.stop()
-            raise ValueError("structured_outputs.json: the grammar engine crashed compiling its grammar") from None
+            raise ValueError(f"{params.field}: the grammar engine crashed compiling its grammar") from None
         if kind == "too_large":
-            raise ValueError(f"structured_outputs.json: its compiled grammar takes {value / MiB:.0f} MiB, more than "
+            raise ValueError(f"{params.field}: its compiled grammar takes {value / MiB:.0f} MiB, more than "
                              f"the grammar cache's {limits.cache_bytes / MiB:g} MiB (grammar_cache_bytes)")
         if kind == "error":
             raise ValueError(value)

@@ -1,6 +1,8 @@
 """One step of an engine that serves many callers. A step that raises has been rolled back by the
 engine, so every unfinished request is aborted and fails with that cause: no caller waits on a
-request that was in the failed batch, and the engine is left idle and consistent."""
+request that was in the failed batch, and the engine is left idle and consistent. The prefix cache
+is dropped too: the executor may have lost the caches it points into (a pipeline stage restarted
+with empty ones), and a prefix hit would resume from state that is no longer there."""
 
 from __future__ import annotations
 
@@ -25,4 +27,5 @@ def step_or_abort(engine: LLMEngine) -> StepOutcome:
         aborted = tuple(engine.requests)
         for request_id in aborted:
             engine.abort_request(request_id)
+        engine.reset_prefix_cache()
         return StepOutcome([], aborted, e)

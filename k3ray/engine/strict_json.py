@@ -36,6 +36,7 @@ CATEGORIES = {  # category -> (Python's one-character regex, ECMA-262's set), an
     sre.CATEGORY_NOT_SPACE: (r"\s", ECMA_SPACE, True),
 }
 LINE_TERMINATORS: Ranges = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]  # what `.` skips (ECMA; Python: \n)
+FIELD = "structured_outputs.json"  # what errors name
 PLACEHOLDER = "^k3raypattern{}$"
 PLACEHOLDER_IN_EBNF = re.compile(r'Regex\("\^k3raypattern(\d+)\$"(?:, json_string=true)?\)')
 HEX_ESCAPE = re.compile(r"\\(\\|x([0-9a-fA-F]{2}))")  # an escaped backslash, or xgrammar's \xHH
@@ -46,9 +47,23 @@ NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "required", "de
 SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})
 
 
-def checked_schema(text: str, max_bytes: int | None = None) -> object:
+def checked_schema(text: str, max_bytes: int | None = None, field: str = FIELD) -> object:
     """The schema of structured_outputs.json (its JSON text), after the checks that need no grammar
-    engine: its size, that it is JSON, and that every pattern can be enforced. Raises ValueError."""
+    engine: its size, that it is JSON, and that every pattern can be enforced. Raises ValueError
+    naming `field` (another schema's, such as a tool's parameters)."""
+    try:
+        return _checked_schema(text, max_bytes)
+    except ValueError as e:
+        raise renamed(e, field) from None
+
+
+def renamed(e: ValueError, field: str) -> ValueError:
+    """e about structured_outputs.json (the field this module's errors name) as one about `field`."""
+    message = str(e)
+    return ValueError(field + message[len(FIELD):] if message.startswith(FIELD) else message)
+
+
+def _checked_schema(text: str, max_bytes: int | None) -> object:
     size = len(text.encode())
     if max_bytes is not None and size > max_bytes:
         raise ValueError(f"structured_outputs.json is {size} bytes, more than the limit of {max_bytes} "

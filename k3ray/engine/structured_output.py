@@ -13,8 +13,14 @@ which compact JSON has nowhere (outside strings there is no whitespace but " ", 
 control character is escaped), whatever the grammar engine would allow.
 
 JSON is generated without free whitespace between tokens (xgrammar's `any_whitespace=False`):
-models otherwise can emit whitespace until max_tokens. Special and reserved tokens are never
-allowed inside the grammar, only as stop tokens at its end.
+models otherwise can emit whitespace until max_tokens. Special and reserved tokens match no text:
+xgrammar sees each as a piece starting with a NUL byte, which no strict-JSON text holds, so one is
+allowed only where a grammar names its id (`Token(id)`: the markers of a tool-call section) or as a
+stop token at the grammar's end.
+
+A tool-call grammar (StructuredOutputsParams.tool_calls) is an xgrammar structural tag: the
+section's marker tokens around one call (or several) of the given functions, each call's arguments
+the strict-JSON grammar of that function's parameters.
 """
 
 from __future__ import annotations
@@ -24,25 +30,59 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import xgrammar as xgr
+from xgrammar import structural_tag as tag
 
-from k3ray.engine.strict_json import checked_schema, schema_with_placeholders, splice
-from k3ray.sampling_params import StructuredOutputsParams
+from k3ray.engine.strict_json import FIELD, checked_schema, schema_with_placeholders, splice
+from k3ray.sampling_params import StructuredOutputsParams, ToolCallsFormat, tool_schema_field
 
 ANY_OBJECT = '{"type": "object"}'
+CALL_INDEX = "0|[1-9][0-9]{0,3}"  # the INDEX of functions.NAME:INDEX
+SPECIAL_PREFIX = b"\x00k3ray-special-"  # + the id: what xgrammar sees for a special id
 
 
 def build_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None = None) -> xgr.Grammar:
     """The strict-JSON grammar of params (no vocabulary needed); ValueError if there is none."""
+    if params.tool_calls is not None:
+        return _tool_calls_grammar(params.tool_calls, max_schema_bytes)
     if params.json_object:  # any object (strict_mode=False: a bare {"type": "object"} would otherwise allow only {})
-        text, patterns, strict = ANY_OBJECT, [], False
+        ebnf = _json_ebnf(ANY_OBJECT, [], False, FIELD)
     else:
         schema, patterns = schema_with_placeholders(checked_schema(params.json, max_schema_bytes))
-        text, strict = json.dumps(schema), True
+        ebnf = _json_ebnf(json.dumps(schema), patterns, True, FIELD)
     try:
-        converted = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=strict)
-        return xgr.Grammar.from_ebnf(splice(str(converted), patterns))
+        return xgr.Grammar.from_ebnf(ebnf)
     except RuntimeError as e:
-        raise ValueError(f"structured_outputs.json is not a usable JSON schema: {_first_line(e)}") from None
+        raise ValueError(f"{FIELD} is not a usable JSON schema: {_first_line(e)}") from None
+
+
+def _json_ebnf(schema: str, patterns: list[str], strict: bool, field: str) -> str:
+    """The EBNF of a schema's JSON text (with schema_with_placeholders's patterns put back)."""
+    try:
+        converted = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    except RuntimeError as e:
+        raise ValueError(f"{field} is not a usable JSON schema: {_first_line(e)}") from None
+    return splice(str(converted), patterns)
+
+
+def _tool_calls_grammar(tool_calls: ToolCallsFormat, max_schema_bytes: int | None) -> xgr.Grammar:
+    section_begin, call_begin, argument_begin, call_end, section_end = tool_calls.markers
+    calls = []
+    for name, text in tool_calls.functions:
+        field = tool_schema_field(name)
+        schema, patterns = schema_with_placeholders(checked_schema(text, max_schema_bytes, field))
+        calls.append(tag.SequenceFormat(elements=[
+            tag.TokenFormat(token=call_begin), tag.ConstStringFormat(value=f"functions.{name}:"),
+            tag.RegexFormat(pattern=CALL_INDEX), tag.TokenFormat(token=argument_begin),
+            tag.GrammarFormat(grammar=_json_ebnf(json.dumps(schema), patterns, True, field)),
+            tag.TokenFormat(token=call_end)]))
+    call = calls[0] if len(calls) == 1 else tag.OrFormat(elements=calls)
+    section = tag.SequenceFormat(elements=[
+        tag.TokenFormat(token=section_begin), tag.PlusFormat(content=call) if tool_calls.parallel else call,
+        tag.TokenFormat(token=section_end)])
+    try:
+        return xgr.Grammar.from_structural_tag(tag.StructuralTag(format=section))
+    except RuntimeError as e:
+        raise ValueError(f"structured_outputs.tool_calls: no grammar for the section: {_first_line(e)}") from None
 
 
 def check_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None = None) -> None:
@@ -51,9 +91,9 @@ def check_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None 
 
 
 def encoded_vocab(tokenizer, vocab_size: int) -> list[bytes]:
-    """Each id's bytes; b"" for special and reserved ids (and ids past the tokenizer's vocabulary),
-    which xgrammar treats as special: never part of the text a grammar matches."""
-    vocab = [b""] * vocab_size
+    """Each id's bytes; SPECIAL_PREFIX + id for special and reserved ids (and ids past the tokenizer's
+    vocabulary): never part of the text a grammar matches, only of its Token(id)s."""
+    vocab = [SPECIAL_PREFIX + str(token_id).encode() for token_id in range(vocab_size)]
     for token_id in range(min(vocab_size, tokenizer.vocab_size)):
         piece = tokenizer.token_piece(token_id)
         if isinstance(piece, bytes):
@@ -83,7 +123,8 @@ class StructuredOutputs:
         self.stop_token_ids = sorted(stop_token_ids)
         self.info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                       stop_token_ids=self.stop_token_ids)
-        self.strict_tokens = _bitmask([not any(b < 0x20 for b in piece) for piece in vocab])  # [ceil(V / 32)] int32
+        self.strict_tokens = _bitmask([_is_special(piece) or not any(b < 0x20 for b in piece)
+                                       for piece in vocab])  # [ceil(V / 32)] int32
         self._compiler: xgr.GrammarCompiler | None = None
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -94,7 +135,7 @@ class StructuredOutputs:
         try:
             return self._compiler.compile_grammar(grammar)
         except RuntimeError as e:
-            raise ValueError(f"structured_outputs.json could not be compiled: {_first_line(e)}") from None
+            raise ValueError(f"{params.field} could not be compiled: {_first_line(e)}") from None
 
     def deserialize(self, text: str) -> xgr.CompiledGrammar:
         """A grammar the worker compiled (CompiledGrammar.serialize_json) over this vocabulary."""
@@ -120,6 +161,10 @@ class StructuredOutputs:
         stuck = (strict == 0).all(dim=1, keepdim=True)  # [R, 1]
         bitmask[rows] = torch.where(stuck, grammar, strict)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)
+
+
+def _is_special(piece: bytes) -> bool:
+    return piece.startswith(SPECIAL_PREFIX)
 
 
 def _bitmask(allowed: list[bool]) -> torch.Tensor:

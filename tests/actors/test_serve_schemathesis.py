@@ -25,6 +25,7 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from k3ray.actors.openai_protocol import MAX_SEQUENCES_PER_REQUEST, CompletionRequest
+from k3ray.actors.openai_tools import NO_PARAMETERS
 from k3ray.engine.structured_output import check_grammar
 from k3ray.sampling_params import StructuredOutputsParams
 
@@ -98,12 +99,13 @@ def broken_rule(case, server: str) -> str | None:
     if rule is not None:
         return rule
     if route == "/v1/chat/completions":
-        rule = _continue_rule(body)
+        rule = _continue_rule(body) or _tools_rule(body)
         if rule is not None:
             return rule
         max_tokens = body.get("max_completion_tokens")
         max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
-        prompt = {k: body[k] for k in ("messages", "add_generation_prompt", "continue_final_message") if k in body}
+        prompt = {k: body[k] for k in ("messages", "add_generation_prompt", "continue_final_message", "tools")
+                  if k in body}
         return _context_rule(server, [prompt], max_tokens)
     n, best_of = body.get("n", 1), body.get("best_of")
     if best_of is not None and best_of < n:
@@ -136,6 +138,22 @@ def _grammar_rule(body: dict) -> str | None:
             check_grammar(StructuredOutputsParams(json=response_format["json_schema"]["schema"]))
         except ValueError:
             return "a JSON schema the grammar engine compiles"
+    return None
+
+
+def _tools_rule(body: dict) -> str | None:
+    tools = body.get("tools") or []
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) < len(names):
+        return "function names are unique"
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice["function"]["name"] not in names:
+        return "a named tool_choice names one of tools"
+    for t in tools:
+        try:
+            check_grammar(StructuredOutputsParams(json=t["function"].get("parameters") or NO_PARAMETERS))
+        except ValueError:
+            return "each tool's parameters compile as a grammar"
     return None
 
 

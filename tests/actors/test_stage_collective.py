@@ -1,6 +1,8 @@
 """Hidden states between pipeline stages over Ray's collective tensor transport (GLOO on CPU, the
 same code path as NCCL on GPUs) == host memory == local, and a restarted stage rejoins the group."""
 
+import time
+
 import pytest
 import torch
 
@@ -74,7 +76,11 @@ def test_gloo_hops_equal_host_and_local_and_survive_a_stage_restart(ray_cluster,
             ray.kill(runner.groups[victim].stage, no_restart=False)
             with pytest.raises(StageFailure, match="died|failed"):
                 runner.step(plan)
-            # the next step starts fresh stages and a new group over them, and runs on it
+            # the recovery starts fresh stages and a new group over them; the next step runs on it
+            deadline = time.monotonic() + 120
+            while not runner.health()["healthy"]:
+                assert time.monotonic() < deadline, runner.health()
+                time.sleep(0.5)
             assert torch.equal(runner.step(plan), expected)
             assert runner.hop_transport == "gloo" and runner.health()["healthy"]
     finally:

@@ -150,10 +150,9 @@ def test_async_bad_request_raises_while_a_good_stream_completes(model):
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == reference
 
 
-def engine_failing_once(model, monkeypatch):
-    """A real engine whose first forward raises before it touches the caches (a lost device)."""
-    engine = make_engine(model)
-    execute, failures = engine.executor.execute, [RuntimeError("device lost")]
+def fail_next_forward(engine, monkeypatch, error: Exception) -> LLMEngine:
+    """The engine's next forward raises `error` before it touches the caches; later ones run."""
+    execute, failures = engine.executor.execute, [error]
 
     def failing_execute(plan):
         if failures:
@@ -162,6 +161,11 @@ def engine_failing_once(model, monkeypatch):
 
     monkeypatch.setattr(engine.executor, "execute", failing_execute)
     return engine
+
+
+def engine_failing_once(model, monkeypatch):
+    """A real engine whose first forward raises before it touches the caches (a lost device)."""
+    return fail_next_forward(make_engine(model), monkeypatch, RuntimeError("device lost"))
 
 
 def test_a_failed_step_aborts_every_request_with_the_cause_and_the_engine_goes_on(model, monkeypatch):
@@ -179,6 +183,28 @@ def test_a_failed_step_aborts_every_request_with_the_cause_and_the_engine_goes_o
         assert step.aborted == () and step.error is None
         finals += [out for out in step.outputs if out.finished]
     assert [out.outputs[0].token_ids for out in finals] == [reference]
+
+
+def test_a_failed_step_drops_the_prefix_cache(model, monkeypatch):
+    """The executor may have lost the caches a prefix hit would resume from (a pipeline stage that
+    restarted with empty ones): after a failed step the same prompt is computed again, and equal."""
+    long_prompt = PROMPT * 4  # 28 tokens: three full blocks of 8
+    reference = LLM(model, num_blocks=16, block_size=8).generate([long_prompt], GREEDY)[0].outputs[0].token_ids
+    engine = make_engine(model)
+    engine.add_request("a", long_prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        step_or_abort(engine)
+    assert engine.cache.resumable_prefixes()
+    fail_next_forward(engine, monkeypatch, RuntimeError("stage lost"))
+    engine.add_request("b", [1, 2, 3], GREEDY)
+    assert step_or_abort(engine).aborted == ("b",)
+    assert not engine.cache.resumable_prefixes()
+    hits = engine.cache.prefix_hits
+    engine.add_request("c", long_prompt, GREEDY)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in step_or_abort(engine).outputs if out.finished]
+    assert engine.cache.prefix_hits == hits and finals[0].outputs[0].token_ids == reference
 
 
 def test_async_failed_step_ends_every_stream_with_the_cause(model, monkeypatch):

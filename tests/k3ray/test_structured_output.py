@@ -28,11 +28,12 @@ def schema_params(**kw) -> SamplingParams:
     return SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA), **kw)
 
 
-def test_vocab_is_the_tokenizers_bytes_with_specials_empty():
+def test_vocab_is_the_tokenizers_bytes_with_specials_as_no_text():
     tok = ByteTokenizer(512)
     vocab = encoded_vocab(tok, 520)
     assert vocab[:256] == [bytes([b]) for b in range(256)]
-    assert vocab[256:] == [b""] * 264  # specials, reserved ids and ids past the tokenizer
+    # specials, reserved ids and ids past the tokenizer: a NUL byte no strict JSON holds, then the id
+    assert vocab[256:] == [b"\x00k3ray-special-%d" % i for i in range(256, 520)]
 
 
 def test_the_mask_allows_exactly_the_grammars_next_tokens():
