@@ -46,6 +46,7 @@ def render(ingress: str, form: str) -> str:
         return "".join(f"{name}={value}\n" for name, value in env.items())
     lines = [f"# k3ray node settings (ingress {ingress}): in the environment of `ray start` on every node"]
     for var in node_variables(ingress):
-        lines += [f"# {var.why} (Serve's default: {var.serve_default})",
+        where = "; read by the head's GCS" if var.head_only else ""
+        lines += [f"# {var.why} (without it: {var.serve_default}{where})",
                   f"export {var.name}={shlex.quote(env[var.name])}"]
     return "\n".join(lines) + "\n"

@@ -83,13 +83,15 @@ def problems(found: dict[Node, dict[str, str | None] | None], ingress: str) -> l
             lines.append(f"{node}: not checked (its task did not run within {READ_TIMEOUT_S:g} s)")
             continue
         for var in node_variables(ingress):
+            if var.head_only and not node.is_head:
+                continue
             value, want = env.get(var.name), expected[var.name]
             if var.name == HAPROXY_BINARY:
                 if value is None or os.path.basename(value) != WRAPPER_NAME or not env["executable"]:
                     lines.append(f"{node}: {var.name}={value or '(unset)'} is not an executable {WRAPPER_NAME} "
                                  f"(without it: {var.serve_default}); {var.why}")
             elif value is None:
-                lines.append(f"{node}: {var.name} is not set (Serve's default: {var.serve_default}); k3ray's is "
+                lines.append(f"{node}: {var.name} is not set (without it: {var.serve_default}); k3ray's is "
                              f"{want}: {var.why}")
             elif value != want:
                 lines.append(f"{node}: {var.name}={value}, k3ray's is {want}: {var.why}")

@@ -25,7 +25,9 @@ from k3ray.actors.serve_config import Ingress
 INGRESS_MODES: tuple[str, ...] = get_args(Ingress)
 PROXY_READY_S = "60"
 DRAIN_S = "2"
-CHECK_INTER = "1s"
+CHECK_INTER = "250ms"
+NODE_CHECK_PERIOD_MS = "500"
+NODE_CHECK_FAILURES = "2"
 HAPROXY_BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"  # per node: the k3ray-haproxy installed there
 WRAPPER_NAME = "k3ray-haproxy"
 
@@ -37,6 +39,7 @@ class NodeVariable:
     serve_default: str  # what Serve does without it
     why: str
     tunable: bool = False  # an operator's own value in the environment is kept
+    head_only: bool = False  # read by the head's GCS alone (set everywhere, checked on the head)
 
 
 HAPROXY_VARIABLES = (
@@ -51,7 +54,8 @@ HAPROXY_VARIABLES = (
     NodeVariable("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", DRAIN_S, "30 (deleting an idle app took 35 s)",
                  "a stopping replica is held open this long for HAProxy to drop it", tunable=True),
     NodeVariable("RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER", CHECK_INTER, "5s",
-                 "HAProxy checks the replicas (and answers /health from that) this often", tunable=True),
+                 "HAProxy checks each replica (and answers /health from that) this often; two failed checks take "
+                 "it out of the rotation", tunable=True),
 )
 PROXY_VARIABLES = (
     NodeVariable("RAY_SERVE_ENABLE_HA_PROXY", "0", "0", "Serve's Python proxy actor in front of the replicas"),
@@ -60,6 +64,13 @@ PROXY_VARIABLES = (
 COMMON_VARIABLES = (
     NodeVariable("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_S, "5 (killed proxies on busy machines)",
                  "time for a node's proxy (HAProxy) to come up", tunable=True),
+    # read by the head's GCS: a node whose raylet is gone is declared dead after about 1 s, not 15 s, so
+    # its actors restart elsewhere and the replica leaves HAProxy's rotation that much sooner; a raylet
+    # that is alive but slow still has each check's own timeout (Ray's 10 s)
+    NodeVariable("RAY_health_check_period_ms", NODE_CHECK_PERIOD_MS, "3000",
+                 "the head's GCS checks each node's raylet this often (ms)", tunable=True, head_only=True),
+    NodeVariable("RAY_health_check_failure_threshold", NODE_CHECK_FAILURES, "5",
+                 "failed checks in a row after which the head declares a node dead", tunable=True, head_only=True),
 )
 
 
