@@ -48,6 +48,7 @@ _ERRORFILE = re.compile(r"^[ \t]*errorfile 50[234] \S+[ \t]*\n", re.MULTILINE)
 _DEFAULTS_MODE_HTTP = re.compile(r"^defaults[ \t]*\n(?:[ \t]*\n)*[ \t]*mode http[ \t]*\n", re.MULTILINE)
 _BACKUP_SERVER = re.compile(r"^[ \t]*server (\S+) \S+ check backup[ \t]*\n", re.MULTILINE)
 _BACKEND = re.compile(r"^backend (\S+)[ \t]*$", re.MULTILINE)
+_SERVER = re.compile(r"^[ \t]*server (\S+) \S+(?![^\n]*\bbackup\b)", re.MULTILINE)
 _FRONTEND_BIND_LINE = re.compile(r"^frontend http_frontend\n[ \t]*bind [^\n]*\n", re.MULTILINE)
 _ROUTE_ACL = re.compile(r"^[ \t]*acl is_(\S+) path_beg (\S+)[ \t]*$", re.MULTILINE)
 _FIRST_ROUTE = re.compile(r"^[ \t]*(use_backend|default_backend) ", re.MULTILINE)
@@ -168,17 +169,24 @@ def without_fallback(config: str) -> str:
 
 def with_probes(config: str, starting_page: str) -> str:
     """HAProxy answers each app's `<route prefix>health` and `<route prefix>ready` from its own view
-    of that app's replicas (a server UP in its backend), and, while no app exists, every path with
-    the starting 503."""
+    of that app's replicas (a server UP in its backend). With none up, a replica says why: the probe
+    goes to the app's first replica even though it is down (force-persist), which answers 503 naming
+    what its model lost (or HAProxy's 503 page if it is gone); an app without replicas answers the
+    starting 503, and while no app exists, every path does."""
     apps = [b for b in _BACKEND.findall(config)
             if b != "default_backend" and not b.endswith("-via-ingress-request-router")]
     starting = f"http-request return status 503 content-type application/json file {starting_page} hdr Retry-After 1"
-    rules, prefixes = [], set()
+    rules, prefixes, servers = [], set(), backend_servers(config)
     for backend, prefix in _ROUTE_ACL.findall(config):
         paths = " ".join(prefix.rstrip("/") + path for path in PROBE_PATHS)
         rules.append(f"    http-request return status 200 content-type text/plain string ok hdr {PROBE_HEADER} ingress "
                      f"if {{ path {paths} }} {{ nbsrv({backend}) ge 1 }} {PROBE_METHODS}\n")
-        rules.append(f"    {starting} if {{ path {paths} }} {PROBE_METHODS}\n")
+        if servers.get(backend):
+            config = _in_backend(config, backend, f"    use-server {servers[backend][0]} if {{ path {paths} }} "
+                                                  f"{PROBE_METHODS}\n"
+                                                  f"    force-persist if {{ path {paths} }} {PROBE_METHODS}\n")
+        else:
+            rules.append(f"    {starting} if {{ path {paths} }} {PROBE_METHODS}\n")
         prefixes.add(prefix)
     if "/" not in prefixes:  # no app at the root (yet): its probes say starting
         rules.append(f"    {starting} if {{ path {' '.join(PROBE_PATHS)} }} {PROBE_METHODS}\n")
@@ -186,6 +194,24 @@ def with_probes(config: str, starting_page: str) -> str:
     if not apps:
         config = _DEFAULT_BACKEND_404.sub(lambda m: f"{m.group(1)}    {starting}\n", config, count=1)
     return config
+
+
+def backend_servers(config: str) -> dict[str, list[str]]:
+    """backend -> the names of its servers, in order (backup servers left out)."""
+    out: dict[str, list[str]] = {}
+    for section in re.split(r"^(?=backend )", config, flags=re.MULTILINE):
+        match = _BACKEND.match(section)
+        if match is not None:
+            out[match.group(1)] = _SERVER.findall(section)
+    return out
+
+
+def _in_backend(config: str, backend: str, lines: str) -> str:
+    """`lines` added right below the `backend NAME` line (once)."""
+    if f"backend {backend}\n{lines}" in config:
+        return config
+    return re.sub(rf"^backend {re.escape(backend)}[ \t]*\n", lambda m: m.group() + lines, config, count=1,
+                  flags=re.MULTILINE)
 
 
 def unavailable_response(retry_after_s: int = 1) -> bytes:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from ray._private.services import canonicalize_bootstrap_address_or_die
 from ray._private.state import GlobalState
-from ray._raylet import GcsClientOptions
+from ray._raylet import GcsClientOptions, JobID
 from ray.core.generated import gcs_pb2
 
 DEPLOYMENT = "K3Server"
@@ -55,11 +55,20 @@ def gcs_state(address: str = "auto") -> GlobalState:
     return state
 
 
+def actor_table(state: GlobalState, job_id: str | None = None) -> list[gcs_pb2.ActorTableData]:
+    """Every actor GCS knows (of the job `job_id`, hex, if given), dead ones included."""
+    job = None if job_id is None else JobID.from_hex(job_id)
+    return [gcs_pb2.ActorTableData.FromString(raw) for raw in state._connect_and_get_accessor().get_actor_table(job, None)]
+
+
+def state_name(actor: gcs_pb2.ActorTableData) -> str:
+    return gcs_pb2.ActorTableData.ActorState.Name(actor.state)
+
+
 def placement_rows(state: GlobalState, app: str | None = None) -> list[ActorPlace]:
     """One row per actor of every live K3Server replica (of `app`, or of every app), replicas in
     order of their id, each replica first and its model actors in bundle order."""
-    accessor = state._connect_and_get_accessor()
-    actors = [gcs_pb2.ActorTableData.FromString(raw) for raw in accessor.get_actor_table(None, None)]
+    actors = actor_table(state)
     nodes = {n["NodeID"]: n for n in state.node_table()}
     by_group: dict[bytes, list[gcs_pb2.ActorTableData]] = {}
     for actor in actors:
@@ -140,5 +149,5 @@ def _row(app: str, replica: str, role: str, actor: gcs_pb2.ActorTableData, nodes
                       actor_id=actor.actor_id.hex(), node_id=node_id,
                       node_address=node.get("NodeManagerAddress", actor.address.ip_address),
                       node_alive=bool(node.get("Alive", False)), device=device(actor),
-                      state=gcs_pb2.ActorTableData.ActorState.Name(actor.state), restarts=actor.num_restarts,
+                      state=state_name(actor), restarts=actor.num_restarts,
                       pid=actor.pid)
