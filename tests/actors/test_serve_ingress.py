@@ -219,10 +219,12 @@ def test_config_path_is_the_value_of_dash_f():
 
 def test_node_and_local_environment(monkeypatch):
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
-                 "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"):
+                 "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S",
+                 "RAY_health_check_period_ms", "RAY_health_check_failure_threshold"):
         monkeypatch.delenv(name, raising=False)
     assert node_environment("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                                         "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+                                         "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+                                         "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "2"}
     with pytest.raises(ValueError, match="ingress must be one of"):
         node_environment("nginx")
     env = node_environment("haproxy")
