@@ -97,13 +97,9 @@ def test_images_versions_and_wheel_install_agree():
     assert base == ray.__version__
     assert re.search(r"pip install .*k3ray-\*\.whl", docker) and not re.search(r"^COPY \. ", docker, re.M)
     # every node of an image-built cluster starts Serve with k3ray serve's default ingress
-    from k3ray.actors.serve.launch import DEFAULT_INGRESS, DRAIN_S, ingress_environment
+    from k3ray.actors.serve.config import DEFAULT_INGRESS
 
     assert DEFAULT_INGRESS == "haproxy"
-    assert re.search(r"^\s*(ENV )?RAY_SERVE_ENABLE_HA_PROXY=(\S+)", docker, re.M).group(2) == \
-        ingress_environment("haproxy")["RAY_SERVE_ENABLE_HA_PROXY"]
-    # and k3ray serve's 2 s drain of a stopping replica (Serve's 30 s made deleting an idle app take 35 s)
-    assert re.search(r"^\s*(ENV )?RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=(\S+)", docker, re.M).group(2) == DRAIN_S
     images = set()
     for name in ("kuberay/rayservice.yaml", "kuberay/rayjob-eval.yaml"):
         text = (CLUSTER / name).read_text()
@@ -114,6 +110,39 @@ def test_images_versions_and_wheel_install_agree():
     for f in CLUSTER.rglob("*"):
         if f.is_file():
             assert not re.search(r"^\s*working_dir\s*:", f.read_text(), re.M), f"{f} sets a working_dir"
+
+
+def dockerfile_environment() -> dict[str, str]:
+    """NAME -> value of the Dockerfile's ENV instructions (continued lines joined)."""
+    text = (CLUSTER / "Dockerfile").read_text().replace("\\\n", " ")
+    env = {}
+    for line in re.findall(r"^ENV (.+)$", text, re.M):
+        env |= dict(word.split("=", 1) for word in shlex.split(line))
+    return env
+
+
+def test_the_image_sets_the_node_settings_k3ray_cluster_env_prints():
+    """One source: the image's node environment is node_environment()'s, the wrapper's path where the
+    image installs it; no other Serve variable is set there."""
+    from k3ray.actors.cluster.node_environment import HAPROXY_BINARY, node_environment
+
+    image = {name: value for name, value in dockerfile_environment().items() if name.startswith("RAY_")}
+    source = node_environment("haproxy", environ={})
+    assert image.keys() == source.keys()
+    assert {n: v for n, v in image.items() if n != HAPROXY_BINARY} == \
+        {n: v for n, v in source.items() if n != HAPROXY_BINARY}
+    # the Ray image's Python, where the wheel's console scripts go; the build checks it is executable
+    assert image[HAPROXY_BINARY] == "/home/ray/anaconda3/bin/k3ray-haproxy"
+    assert re.search(r'^RUN test -x "\$RAY_SERVE_HAPROXY_BINARY_PATH"', (CLUSTER / "Dockerfile").read_text(), re.M)
+
+
+def test_cluster_files_take_the_node_settings_from_the_image():
+    """Every node of ray-cluster.yaml and the KubeRay manifests runs the k3ray image (checked above)
+    and sets no Serve variable of its own (`ray start` env, a container's env), which could differ."""
+    for f in [CLUSTER / "ray-cluster.yaml", *sorted((CLUSTER / "kuberay").glob("*.yaml"))]:
+        text = f.read_text()
+        assigned = re.findall(r"\b(RAY_SERVE_\w+)=", text) + re.findall(r"name: (RAY_SERVE_\w+)", text)
+        assert not assigned, f"{f.name} sets {assigned}: the image holds the node settings (k3ray cluster env)"
 
 
 def test_ray_cluster_yaml_has_room_for_the_documented_layout():

@@ -84,7 +84,7 @@ def test_every_entry_point_names_a_command_module():
     from importlib.metadata import entry_points
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert set(project) == {"k3ray.commands", "k3ray.benchmarks"}
+    assert set(project) == {"k3ray.commands", "k3ray.benchmarks", "k3ray.cluster"}
     for group, declared_points in project.items():
         installed = {ep.name: ep.value for ep in entry_points(group=group)}
         assert installed == declared_points, f"{group}: reinstall k3ray (pip install -e .) after editing pyproject"

@@ -25,6 +25,9 @@ SKIPPED = {  # the start of a command -> why it does not run here
     "python3 -m venv": "the install itself: this test runs inside it",
     "pytest": "the whole test suite, which this test is part of",
     "k3ray serve --address auto": "needs a GPU cluster holding the published checkpoint",
+    'eval "$(k3ray cluster env)" && ray start': "starts a cluster node; tests/actors/test_cluster_nodes.py starts such nodes",
+    "k3ray cluster check --address auto": "joins the cluster of this machine; tests/actors/test_cluster_nodes.py runs it",
+    "k3ray status --address auto": "reads the cluster of this machine; tests/actors/test_cluster_nodes.py runs it",
     "k3ray bench compile": "needs TRITON_INTERPRET unset, which this suite sets; tests/kernels/test_offline_compile.py runs it",
 }
 SLOW = ("k3ray bench kernels", "k3ray bench engine", "k3ray bench cluster", "k3ray bench serve")

@@ -59,7 +59,7 @@ class RayExecutor(Executor):
         raise ValueError("draft-model speculation is not available on the Ray executor; use method='ngram'")
 
     def health(self) -> dict:
-        return self.runner.health() if self.runner else {"healthy": False, "actors": {}, "lost_nodes": []}
+        return self.runner.health() if self.runner else {"healthy": False, "actors": {}, "lost_nodes": {}}
 
     def expert_load(self) -> list[list[int]]:
         return self.runner.expert_load() if self.runner else []

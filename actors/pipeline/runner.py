@@ -250,7 +250,9 @@ class RayModelRunner:
                 status[name] = f"not answering within {timeout_s:.0f} s"
                 continue
             try:
-                status[name] = RESTARTED if ray.get(ref).get("restarted") else ALIVE
+                info = ray.get(ref)
+                self.placement[name] = info["node_id"]  # follows a restart on another node
+                status[name] = RESTARTED if info.get("restarted") else ALIVE
             except ray.exceptions.ActorUnavailableError:
                 status[name] = "restarting"
             except ray.exceptions.ActorDiedError as e:
@@ -344,10 +346,15 @@ class RayModelRunner:
 
     def health(self) -> dict:
         """Whether the pipeline can step (PipelineFaults.health: a probe step while idle, the last
-        step while busy, a fault's state), each actor's state, and Ray nodes that left the cluster."""
+        step while busy, a fault's state), each actor's state, and Ray nodes that left the cluster
+        ("lost_nodes": node id -> the actors last seen there; an actor Ray restarted elsewhere
+        moves with the next ping)."""
         report = self.faults.health()
         nodes = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
-        lost = sorted({nid for nid in self.placement.values() if not nodes.get(nid, False)})
+        lost: dict[str, list[str]] = {}
+        for name, node in list(self.placement.items()):
+            if not nodes.get(node, False):
+                lost.setdefault(node, []).append(name)
         return {**report, "healthy": report["healthy"] and not lost, "lost_nodes": lost,
                 "hop_transport": self.hop_transport}
 

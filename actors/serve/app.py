@@ -32,6 +32,7 @@ from k3ray.actors.openai.serving import OpenAIServing
 from k3ray.actors.serve.request_routing import PREFIXES_STAT, PrefixAffinityRequestRouter
 from k3ray.actors.serve.replica_bundles import replica_bundles
 from k3ray.actors.serve.replica_grpc_bind import bind_replica_grpc_to
+from k3ray.actors.serve.replica_readiness import Readiness, answer_checks_with
 from k3ray.actors.serve.config import ServeArgs
 from k3ray.actors.serve.engine import build_engine, context_limit_note, engine_config, local_engine
 from k3ray.actors.serve.metrics import ServeMetrics
@@ -75,9 +76,13 @@ class K3Server:
         note = context_limit_note(self.args, self.engine.info)
         if note is not None:
             logger.warning(note)
+        # HAProxy's check of this replica, and /health, say at once whether the model can step
+        self.readiness = Readiness(self.engine, self.executor)
+        answer_checks_with(self.readiness.now)
 
     def __serve_build_asgi_app__(self):
-        return build_openai_app(self.serving, metrics=self.metrics, health=self.health,
+        health = functools.partial(self.readiness.health, self.health)  # the quick look first
+        return build_openai_app(self.serving, metrics=self.metrics, health=health,
                                 api_key=self.args.server.api_key or os.environ.get("K3RAY_API_KEY") or None,
                                 max_body_bytes=self.args.server.max_body_bytes,
                                 retry_after_s=self.args.server.retry_after_s)
@@ -92,7 +97,8 @@ class K3Server:
     async def check_health(self) -> None:
         """Serve's periodic probe: a pipeline that cannot step and will not recover by itself (an
         actor gone for good, a recovery past its time, a stuck step) makes Serve replace the whole
-        replica; one recovering answers 503 meanwhile, but stays."""
+        replica; one recovering (its actors restarting, on other nodes after a node loss) answers
+        503 meanwhile, but stays."""
         ok, detail, recovering = await self._health()
         if not ok and not recovering:
             raise RuntimeError(detail)
@@ -106,9 +112,10 @@ class K3Server:
         report = await asyncio.to_thread(executor_health)
         bad = {name: state for name, state in report["actors"].items() if state != "alive"}
         state = report.get("state", "serving")
-        detail = f"pipeline {state}: {report.get('cause') or 'a node was lost'}; actors {bad}, " \
-                 f"lost nodes {report['lost_nodes']}"
-        return report["healthy"], detail, state == "recovering" and not report["lost_nodes"]
+        lost = "".join(f"; node {node[:8]} lost with {', '.join(names)}"
+                       for node, names in report["lost_nodes"].items())
+        detail = f"pipeline {state}: {report.get('cause') or 'a node was lost'}; actors {bad}{lost}"
+        return report["healthy"], detail, state == "recovering"
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook: this replica's load for the llm autoscaling policy (serve/load_signals.py)."""

@@ -42,7 +42,7 @@ def app_args(args: argparse.Namespace) -> dict:
 def main(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from k3ray.actors.serve.config import APP_NAME, DEFAULT_INGRESS, ServeArgs
+    from k3ray.actors.serve.config import APP_NAME, DEFAULT_INGRESS, LOOPBACK, ServeArgs
     from k3ray.actors.serve.flags import command_flags, launch_settings, serve_args
 
     try:
@@ -59,6 +59,7 @@ def main(args: argparse.Namespace) -> int:
 
     # the port, the checkpoint and the layout are checked in seconds, before Ray and Serve start
     if launch.address is None:
+        launch = launch.on_nodes([LOOPBACK])  # the local instance's one node
         serve_preflight.check_port(launch.host, launch.port)
     resolved = settings.resolved()
     serve_preflight.check_checkpoint(resolved)
@@ -95,8 +96,10 @@ def main(args: argparse.Namespace) -> int:
         if launch.address is not None:
             import ray
 
+            launch = _joined(launch)
             serve_preflight.check_layout(resolved, ray.cluster_resources())
-        deployed = _in_background(serve_launch.deploy, app_args(args), host=launch.host, port=launch.port)
+        deployed = _in_background(serve_launch.deploy, app_args(args), host=launch.host, port=launch.port,
+                                  proxy_location=launch.proxy_location)
         while not stop.is_set() and not deployed.done():
             time.sleep(0.2)
         if deployed.done():
@@ -111,6 +114,26 @@ def main(args: argparse.Namespace) -> int:
         if not _stop_everything(owns_ray, mark, reaper):
             _exit_now(1, failure)
     _exit_now(0)
+
+
+def _joined(launch):
+    """The launch settings for the joined cluster's nodes (host, proxies), after a warning line per
+    node setting missing or different there; this process's Serve takes up the cluster's ingress."""
+    from k3ray.actors.cluster import node_check
+    from k3ray.actors.serve import launch as serve_launch
+
+    nodes = node_check.alive_nodes()
+    launch = launch.on_nodes([node.address for node in nodes])
+    running, problems = node_check.check_nodes()
+    for line in problems:
+        print(f"k3ray serve: warning: {line}", file=sys.stderr, flush=True)
+    if problems:
+        print("k3ray serve: warning: `k3ray cluster env` prints every node setting for `ray start`", file=sys.stderr,
+              flush=True)
+    serve_launch.use_ingress(running)
+    print(f"k3ray serve: joined {len(nodes)} node(s) at {len({n.address for n in nodes})} address(es); ingress "
+          f"{running}, --host {launch.host}, --proxy-location {launch.proxy_location}", file=sys.stderr, flush=True)
+    return launch
 
 
 # Serve's graceful stop: requests in flight get this long to finish (an idle server stops in a few

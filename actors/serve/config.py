@@ -6,6 +6,7 @@ typo never goes unnoticed."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Literal
 
@@ -23,6 +24,9 @@ APP_NAME = "k3ray"
 IMPORT_PATH = "k3ray.actors.serve.app:build_app"  # the Serve app builder
 Ingress = Literal["haproxy", "proxy"]
 DEFAULT_INGRESS: Ingress = "haproxy"
+ProxyLocation = Literal["EveryNode", "HeadOnly"]  # Serve's choices that serve HTTP
+LOOPBACK = "127.0.0.1"
+ALL_INTERFACES = "0.0.0.0"
 
 
 class Settings(BaseModel):
@@ -230,16 +234,24 @@ class ServeArgs(Settings):
 
 
 class LaunchSettings(Settings):
-    """Where `k3ray serve` runs the app (not app args): Ray, and the HTTP address a Serve config
-    YAML holds as http_options."""
+    """Where `k3ray serve` runs the app (not app args): Ray, and the HTTP address and proxies a
+    Serve config YAML holds as http_options and proxy_location."""
 
-    host: str = Field("127.0.0.1", description="bind address; 127.0.0.1 = this machine only, 0.0.0.0 = the network")
+    host: str | None = Field(
+        None, description="bind address of HAProxy and the replicas' HTTP servers; 127.0.0.1 = this machine only, "
+        "0.0.0.0 = the network (needed on nodes at several addresses: HAProxy reaches the replicas on other nodes "
+        "at their node's address); null = 127.0.0.1, or with --address 0.0.0.0 unless the nodes share one "
+        "loopback address")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     ingress: Ingress | None = Field(
         None, description=f"HTTP in front of the replicas of a local Ray instance: HAProxy, each replica streaming "
         f"from its own HTTP server (haproxy), or Serve's proxy actor (proxy); null = {DEFAULT_INGRESS}; a joined "
         "cluster keeps its own (RAY_SERVE_ENABLE_HA_PROXY on its nodes)")
+    proxy_location: ProxyLocation | None = Field(
+        None, description="where the HTTP proxy (HAProxy) listens on the port: every node (EveryNode) or the head "
+        "node only (HeadOnly); null = EveryNode, or HeadOnly on a cluster whose nodes share one address (one "
+        "machine: they cannot all bind the port)")
     num_cpus: float | None = Field(None, gt=0, description="CPUs of the local Ray instance; null = all")
 
     @model_validator(mode="after")
@@ -248,6 +260,25 @@ class LaunchSettings(Settings):
             raise ValueError("ingress applies to the local Ray instance k3ray serve starts; a cluster joined at an "
                              "address keeps the ingress its nodes started with (RAY_SERVE_ENABLE_HA_PROXY)")
         return self
+
+    def on_nodes(self, addresses: list[str]) -> LaunchSettings:
+        """These settings with host and proxy_location decided for Ray nodes at `addresses` (one per
+        alive node; a local instance: its one node), as their descriptions say. ValueError for a
+        choice that cannot serve there: a host other than every interface on nodes at several
+        addresses, a proxy on every node where nodes share an address."""
+        distinct = set(addresses)
+        on_loopback = len(distinct) == 1 and ipaddress.ip_address(addresses[0]).is_loopback
+        host = self.host or (LOOPBACK if on_loopback or self.address is None else ALL_INTERFACES)
+        if len(distinct) > 1 and host not in (ALL_INTERFACES, "::"):
+            raise ValueError(f"--host {host} on a cluster of nodes at {len(distinct)} addresses: HAProxy reaches the "
+                             "replicas on other nodes at their node's address, which that bind refuses; use --host "
+                             f"{ALL_INTERFACES} (and --api-key)")
+        shared = len(addresses) > len(distinct)
+        if shared and self.proxy_location == "EveryNode":
+            raise ValueError(f"--proxy-location EveryNode: {len(addresses)} nodes share {len(distinct)} "
+                             "address(es), and each node's HAProxy would bind the same port; use HeadOnly")
+        proxies = self.proxy_location or ("HeadOnly" if shared else "EveryNode")
+        return self.model_copy(update={"host": host, "proxy_location": proxies})
 
 
 def resources(cpus: float, gpus: float) -> dict[str, float]:

@@ -18,6 +18,8 @@ then execs HAProxy with the same arguments:
   before the app exists, every path gets that 503 instead of a 404.
 - `<route prefix>metrics` goes to the replicas' metrics listeners (serve/metrics_listener.py), outside
   their request queues, once one has announced its port in the server's runtime folder.
+- At most one HAProxy thread per core this process may use (Serve's 4 threads on fewer cores only
+  contend; HAProxy advises no more threads than cores), decided on each node for its own cores.
 - HAProxy's own log goes to an in-memory ring (`show events k3ray-log` on the admin socket)
   instead of Ray's syslog target on loopback UDP (127.0.0.1:514, where nothing listens by
   default): sending there bound a UDP socket per thread to 0.0.0.0. A syslog elsewhere is kept.
@@ -46,6 +48,7 @@ _ERRORFILE = re.compile(r"^[ \t]*errorfile 50[234] \S+[ \t]*\n", re.MULTILINE)
 _DEFAULTS_MODE_HTTP = re.compile(r"^defaults[ \t]*\n(?:[ \t]*\n)*[ \t]*mode http[ \t]*\n", re.MULTILINE)
 _BACKUP_SERVER = re.compile(r"^[ \t]*server (\S+) \S+ check backup[ \t]*\n", re.MULTILINE)
 _BACKEND = re.compile(r"^backend (\S+)[ \t]*$", re.MULTILINE)
+_SERVER = re.compile(r"^[ \t]*server (\S+) \S+(?![^\n]*\bbackup\b)", re.MULTILINE)
 _FRONTEND_BIND_LINE = re.compile(r"^frontend http_frontend\n[ \t]*bind [^\n]*\n", re.MULTILINE)
 _ROUTE_ACL = re.compile(r"^[ \t]*acl is_(\S+) path_beg (\S+)[ \t]*$", re.MULTILINE)
 _FIRST_ROUTE = re.compile(r"^[ \t]*(use_backend|default_backend) ", re.MULTILINE)
@@ -55,6 +58,7 @@ _ROUTER_FAILED = re.compile(r'(http-request return status 503 )content-type text
                             r'failed: (%\[var\(txn\.ingress_request_router_failed\)\])"')
 _PORT_FILE = re.compile(r"^metrics-(.+)-(\d+)\.port$")
 _LOOPBACK_SYSLOG = re.compile(r"^([ \t]*log )(?:udp4?@|udp6@)?(?:127(?:\.\d+){3}|\[?::1\]?)(?::\d+)?(?=[ \t])", re.MULTILINE)
+_NBTHREAD = re.compile(r"^([ \t]*nbthread )(\d+)[ \t]*$", re.MULTILINE)
 _GLOBAL = re.compile(r"^global[ \t]*\n(?:(?:[ \t]+[^\n]*|[ \t]*)\n)*", re.MULTILINE)
 LOG_RING = "k3ray-log"
 UNAVAILABLE_FILE = "k3ray-unavailable.http"
@@ -67,17 +71,28 @@ STARTING_BODY = {"error": {"message": "no replica of the model is ready yet (sta
 PR_SET_PDEATHSIG = 1
 
 
-def k3ray_config(config: str, unavailable_page: str | None = None, starting_page: str | None = None) -> str:
+def k3ray_config(config: str, unavailable_page: str | None = None, starting_page: str | None = None,
+                 cores: int | None = None) -> str:
     """Serve's config with k3ray's changes; `unavailable_page`: the path of the file HAProxy answers
     its own 502/503/504 with (unavailable_response()); `starting_page`: the JSON body of a 503 from
-    the probes before a replica is ready."""
+    the probes before a replica is ready; `cores`: the cores HAProxy may use (default: this process's)."""
     config = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", _REUSE.sub(r"\1never", bind_like_frontend(config)))
+    config = with_threads_per_core(config, cores or usable_cores())
     config = with_log_ring(with_json_router_failures(without_fallback(config)))
     if unavailable_page is not None:
         config = with_error_pages(config, unavailable_page)
     if starting_page is not None:
         config = with_probes(config, starting_page)
     return config
+
+
+def with_threads_per_core(config: str, cores: int) -> str:
+    """`nbthread N` lowered to `cores` where N is more."""
+    return _NBTHREAD.sub(lambda m: f"{m.group(1)}{min(int(m.group(2)), cores)}", config)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def with_log_ring(config: str) -> str:
@@ -154,17 +169,24 @@ def without_fallback(config: str) -> str:
 
 def with_probes(config: str, starting_page: str) -> str:
     """HAProxy answers each app's `<route prefix>health` and `<route prefix>ready` from its own view
-    of that app's replicas (a server UP in its backend), and, while no app exists, every path with
-    the starting 503."""
+    of that app's replicas (a server UP in its backend). With none up, a replica says why: the probe
+    goes to the app's first replica even though it is down (force-persist), which answers 503 naming
+    what its model lost (or HAProxy's 503 page if it is gone); an app without replicas answers the
+    starting 503, and while no app exists, every path does."""
     apps = [b for b in _BACKEND.findall(config)
             if b != "default_backend" and not b.endswith("-via-ingress-request-router")]
     starting = f"http-request return status 503 content-type application/json file {starting_page} hdr Retry-After 1"
-    rules, prefixes = [], set()
+    rules, prefixes, servers = [], set(), backend_servers(config)
     for backend, prefix in _ROUTE_ACL.findall(config):
         paths = " ".join(prefix.rstrip("/") + path for path in PROBE_PATHS)
         rules.append(f"    http-request return status 200 content-type text/plain string ok hdr {PROBE_HEADER} ingress "
                      f"if {{ path {paths} }} {{ nbsrv({backend}) ge 1 }} {PROBE_METHODS}\n")
-        rules.append(f"    {starting} if {{ path {paths} }} {PROBE_METHODS}\n")
+        if servers.get(backend):
+            config = _in_backend(config, backend, f"    use-server {servers[backend][0]} if {{ path {paths} }} "
+                                                  f"{PROBE_METHODS}\n"
+                                                  f"    force-persist if {{ path {paths} }} {PROBE_METHODS}\n")
+        else:
+            rules.append(f"    {starting} if {{ path {paths} }} {PROBE_METHODS}\n")
         prefixes.add(prefix)
     if "/" not in prefixes:  # no app at the root (yet): its probes say starting
         rules.append(f"    {starting} if {{ path {' '.join(PROBE_PATHS)} }} {PROBE_METHODS}\n")
@@ -172,6 +194,24 @@ def with_probes(config: str, starting_page: str) -> str:
     if not apps:
         config = _DEFAULT_BACKEND_404.sub(lambda m: f"{m.group(1)}    {starting}\n", config, count=1)
     return config
+
+
+def backend_servers(config: str) -> dict[str, list[str]]:
+    """backend -> the names of its servers, in order (backup servers left out)."""
+    out: dict[str, list[str]] = {}
+    for section in re.split(r"^(?=backend )", config, flags=re.MULTILINE):
+        match = _BACKEND.match(section)
+        if match is not None:
+            out[match.group(1)] = _SERVER.findall(section)
+    return out
+
+
+def _in_backend(config: str, backend: str, lines: str) -> str:
+    """`lines` added right below the `backend NAME` line (once)."""
+    if f"backend {backend}\n{lines}" in config:
+        return config
+    return re.sub(rf"^backend {re.escape(backend)}[ \t]*\n", lambda m: m.group() + lines, config, count=1,
+                  flags=re.MULTILINE)
 
 
 def unavailable_response(retry_after_s: int = 1) -> bytes:

@@ -1,7 +1,9 @@
 """What keeps two `k3ray serve` on one host apart: each local Ray instance's Serve gets its own
-fallback-proxy ports, its own window of replica ports, and its own runtime folder for HAProxy's
-config, admin socket and state files (Ray's defaults are fixed: 8500, 30000, /tmp/haproxy-serve, so
-a second server answered for the first). Folders left by a server that died are removed at start."""
+fallback-proxy ports, HAProxy stats and Prometheus ports, its own window of replica ports, and its
+own runtime folder for HAProxy's config, admin socket and state files (Ray's defaults are fixed:
+8500, 8404, 9101, 30000, /tmp/haproxy-serve, so a second server answered for the first, or failed
+to start). A cluster node runs one Serve and keeps those defaults (cluster/node_environment.py holds what
+every node needs). Folders left by a server that died are removed at start."""
 
 from __future__ import annotations
 
@@ -39,14 +41,17 @@ def free_port(ports: tuple[int, int] = PORT_RANGE) -> int:
 
 
 def isolation_environment(runtime_dir: str) -> dict[str, str]:
-    """The environment that gives one local Serve instance its own ports and HAProxy files."""
-    env = {"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
-           "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
-           "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(runtime_dir, "haproxy.cfg"),
-           "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(runtime_dir, "admin.sock"),
-           "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": runtime_dir,
-           "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(runtime_dir, "server-state"),
-           "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(runtime_dir, "metrics.sock")}
+    """The environment that gives one local Serve instance its own ports and HAProxy files (the
+    HAProxy stats and Prometheus ports as the environment sets them, else free ones)."""
+    env = {name: os.environ.get(name) or str(free_port())
+           for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")}
+    env |= {"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(runtime_dir, "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(runtime_dir, "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": runtime_dir,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(runtime_dir, "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(runtime_dir, "metrics.sock")}
     # a port free now starts the window (PORT_RANGE ends a window below the ephemeral ports); Serve retries a taken one
     for protocol in ("HTTP", "GRPC"):
         low = free_port()

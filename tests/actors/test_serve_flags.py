@@ -20,7 +20,7 @@ from k3ray.actors.serve.yaml_config import serve_config_yaml
 
 # the flags `k3ray serve` had before they were generated (README, tests and scripts use them)
 FLAGS = {
-    "--host", "--port", "--address", "--ingress", "--num-cpus", "--api-key", "--max-body-bytes",
+    "--host", "--port", "--address", "--ingress", "--proxy-location", "--num-cpus", "--api-key", "--max-body-bytes",
     "--served-model-name", "--model", "--dtype", "--tokenizer", "--pipeline", "--expert-parallel", "--replica-cpus",
     "--stage-cpus", "--shard-cpus", "--router-cpus", "--stage-gpus", "--shard-gpus", "--replica-gpus",
     "--vision-cpus", "--vision-gpus", "--allow-remote-media-urls", "--max-media-bytes", "--max-media-per-prompt",
@@ -152,3 +152,25 @@ def test_print_config_prints_the_given_flags_only_and_starts_nothing(tmp_path):
     assert "secret" not in run.stdout
     args = ServeArgs.model_validate(yaml.safe_load(run.stdout)["applications"][0]["args"])
     assert args.engine.seed == 5 and args.server.api_key is None
+
+
+def test_host_and_proxies_are_decided_for_the_nodes():
+    """A local instance and nodes sharing one loopback address keep 127.0.0.1; a joined cluster
+    elsewhere binds every interface (HAProxy reaches replicas on other nodes at their address) and
+    refuses a narrower host once nodes sit at several addresses; nodes sharing an address share one
+    HAProxy (HeadOnly), which --proxy-location EveryNode cannot change."""
+    local = LaunchSettings().on_nodes(["127.0.0.1"])
+    assert (local.host, local.proxy_location) == ("127.0.0.1", "EveryNode")
+    joined = LaunchSettings(address="auto")
+    shared = joined.on_nodes(["127.0.0.1"] * 3)
+    assert (shared.host, shared.proxy_location) == ("127.0.0.1", "HeadOnly")
+    spread = joined.on_nodes(["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    assert (spread.host, spread.proxy_location) == ("0.0.0.0", "EveryNode")
+    assert joined.on_nodes(["10.0.0.1"]).host == "0.0.0.0"  # workers may join later
+    assert LaunchSettings(address="auto", host="127.0.0.1").on_nodes(["10.0.0.1"]).host == "127.0.0.1"
+    assert LaunchSettings(address="auto", proxy_location="HeadOnly").on_nodes(["10.0.0.1", "10.0.0.2"]) \
+        .proxy_location == "HeadOnly"
+    with pytest.raises(ValueError, match="--host 127.0.0.1 on a cluster of nodes at 2 addresses"):
+        LaunchSettings(address="auto", host="127.0.0.1").on_nodes(["10.0.0.1", "10.0.0.2"])
+    with pytest.raises(ValueError, match="3 nodes share 1 address"):
+        LaunchSettings(address="auto", proxy_location="EveryNode").on_nodes(["127.0.0.1"] * 3)

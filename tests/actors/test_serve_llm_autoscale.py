@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
+from k3ray.actors.cluster.node_environment import node_environment  # noqa: E402
 from k3ray.actors.cluster.ray_connect import connect, neutral_cwd  # noqa: E402  ray.init off the repository root
 
 pytestmark = pytest.mark.timeout(900)
@@ -61,7 +62,7 @@ def cluster(tiny_checkpoint):
     if previous is not None:
         ray.shutdown()
     with pytest.MonkeyPatch.context() as env:
-        for name, value in serve_launch.ingress_environment("proxy").items():
+        for name, value in node_environment("proxy").items():
             env.setenv(name, value)  # the nodes' processes inherit it
         with neutral_cwd():
             nodes = Cluster(initialize_head=True, head_node_args={
