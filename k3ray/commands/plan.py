@@ -6,35 +6,41 @@ import argparse
 import dataclasses
 import json
 
-from k3ray.commands.info import _parse_len, load_config
+from k3ray.cli_flags import add_deprecated_alias
+from k3ray.commands.info import _parse_len, add_format_argument, add_model_config_arguments, model_argument
+from k3ray.model_source import model_config
 
 HELP = "size a deployment: actor layout, devices and memory per actor"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="a named config: k3 (default) or k3-tiny")
-    src.add_argument("path", nargs="?", help="a checkpoint directory or a config.json")
-    p.add_argument("--device", default="H200", help="H100, H200, B200 or CPU")
-    p.add_argument("--device-memory-gib", type=float, default=None, help="memory per device (required for CPU)")
+    add_model_config_arguments(p)
+    p.add_argument("--device-type", default="H200", help="H100, H200, B200 or CPU")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="memory per device (default: the device type's; required for CPU)")
     p.add_argument("--context-len", type=_parse_len, default=131072, help="tokens per sequence (k/m suffixes)")
-    p.add_argument("--concurrency", type=int, default=8, help="sequences resident at once")
-    p.add_argument("--experts", choices=["mxfp4", "bf16"], default="mxfp4", help="routed-expert weight format")
-    p.add_argument("--pipeline", type=int, default=None, help="fix the number of pipeline stages")
-    p.add_argument("--expert-parallel", type=int, default=None, help="fix expert shards per stage")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences resident at once (serve's --max-num-seqs)")
+    p.add_argument("--expert-format", choices=["mxfp4", "bf16"], default="mxfp4", help="routed-expert weight format")
+    add_deprecated_alias(p, "--experts", "--expert-format", dest="expert_format", choices=["mxfp4", "bf16"])
+    p.add_argument("--pipeline", type=int, default=None, help="fix the number of pipeline stages (default: the fewest "
+                   "that fit)")
+    p.add_argument("--expert-parallel", type=int, default=None, help="fix expert shards per stage (default: the fewest "
+                   "that fit)")
     p.add_argument("--redundant-experts", type=int, default=1,
                    help="replicas of hot experts per expert shard and MoE layer (expert balancing)")
     p.add_argument("--layer-costs", metavar="FILE", default=None,
-                   help="`k3ray bench layer --json` output: also predict tokens/s per device for the layout")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+                   help="`k3ray bench layer --json` output: also predict tokens/s per device for the layout "
+                   "(default: no prediction)")
+    add_format_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
     from k3ray.capacity import GIB, PlanRequest, plan, predict_throughput
 
     req = PlanRequest(
-        config=load_config(args.preset, args.path), device=args.device.upper() if args.device.lower() != "cpu" else "CPU",
-        context_len=args.context_len, concurrency=args.concurrency, expert_format=args.experts,
+        config=model_config(model_argument(args)),
+        device=args.device_type.upper() if args.device_type.lower() != "cpu" else "CPU",
+        context_len=args.context_len, concurrency=args.max_num_seqs, expert_format=args.expert_format,
         pipeline=args.pipeline, expert_parallel=args.expert_parallel, device_memory_gib=args.device_memory_gib,
         redundant_experts=args.redundant_experts,
     )
@@ -56,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     if prediction is not None:
         summary["prediction"] = {k: round(v, 3) if isinstance(v, float) else v
                                  for k, v in dataclasses.asdict(prediction).items()}
-    if args.json:
+    if args.format == "json":
         print(json.dumps(summary, indent=2))
         return 0
     print(f"{req.config.name} on {req.device}: pipeline {p.pipeline} x expert-parallel {p.expert_parallel} "
