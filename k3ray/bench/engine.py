@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype_argument(parser)
     parser.add_argument("--graph-max-tokens", type=int, default=128, help="decode steps timed per CUDA-graph run")
     parser.add_argument("--skip", nargs="*", default=[], choices=["batching", "prefix", "spec", "long", "graphs"],
-                        help="runs to leave out")
+                        help="runs to leave out (default: none)")
     add_device_argument(parser)
     add_enforce_eager_argument(parser)
 
