@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight, one level per comma-separated value (inf: no cap)")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
-    parser.add_argument("--goodput", nargs="*", default=[], metavar="SLO", help="e.g. ttft:500 tpot:50 e2el:2000 (ms)")
+    parser.add_argument("--goodput", nargs="*", default=[], metavar="SLO", help="service-level objectives in ms, e.g. ttft:500 tpot:50 e2el:2000 (default: none)")
     parser.add_argument("--metric-percentiles", default="50,99", help="percentiles reported (99 always)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved served / engine runs per level (median)")
     parser.add_argument("--warmups", type=int, default=1, help="untimed requests before the levels")
