@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
+from k3ray.cli_flags import add_deprecated_alias
 from k3ray.threads import add_threads_argument
 
 from k3ray.device_flags import add_device_argument, add_dtype_argument, add_enforce_eager_argument
@@ -73,20 +74,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         where.add_argument("--oracle", choices=("right", "wrong"),
                            help="no server: a built-in always-right/wrong target")
         add_checkpoint_arguments(where, p)
-        p.add_argument("--task", action="append", default=[],
+        p.add_argument("--tasks", action="append", default=[],
                        help=f"task(s), comma-separated (default: {','.join(SUITES[suite])}); known: {', '.join(TASKS)}")
-        p.add_argument("--task-file", action="append", default=[], help="a JSONL file of items to run as one more task")
+        add_deprecated_alias(p, "--task", "--tasks", action="append", dest="tasks")
+        p.add_argument("--task-file", action="append", default=[],
+                       help="a JSONL file of items to run as one more task (repeatable; default: none)")
         p.add_argument("--lengths", default=DEFAULT_LENGTHS[suite],
                        help="prompt lengths in tokens (k = 1024, m = 1048576), or image/frame counts for mm")
         p.add_argument("--depths", default=DEFAULT_DEPTHS[suite],
-                       help="needle depths in percent; empty = random per cell")
+                       help="needle depths in percent; empty = random per cell" + ("" if DEFAULT_DEPTHS[suite] else
+                                                                                  " (default: empty)"))
         p.add_argument("--samples", type=int, default=1, help="items per length x depth cell")
         p.add_argument("--seed", type=int, default=0, help="seed of the generated items")
-        p.add_argument("--out", required=True, help="output directory")
-        p.add_argument("--concurrency", type=int, default=4, help="cells in flight at once")
+        p.add_argument("--out", metavar="DIR", required=True, help="output folder")
+        p.add_argument("--concurrency", type=int, default=4, help="requests in flight (one per cell)")
         p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished cells")
         p.add_argument("--timeout", type=float, default=3600.0, help="seconds per HTTP request")
-        p.add_argument("--haystack", help="JSONL (text field) or .txt file replacing the bundled public-domain corpus")
+        p.add_argument("--haystack", help="JSONL (text field) or .txt file replacing the corpus (default: the bundled "
+                       "public-domain one)")
         p.add_argument("--reserve-generation", action="store_true",
                        help="a length counts the generated tokens too (RULER's convention), so 1m fits a 1m context")
         p.add_argument("--executor", choices=EXECUTORS, default="auto",
@@ -111,23 +116,28 @@ def add_lm_eval_arguments(p: argparse.ArgumentParser) -> None:
     add_checkpoint_arguments(where, p)
     p.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (shipped offline: "
                    "k3ray_mc, k3ray_gen, k3ray_ppl, k3ray_niah)")
-    p.add_argument("--max-length", type=int, help="context tokens (default: the server's / engine's max_model_len)")
-    p.add_argument("--num-concurrent", type=int, default=4, help="requests in flight (endpoint)")
+    p.add_argument("--max-model-len", type=int, help="context tokens (default: the server's / engine's max_model_len)")
+    add_deprecated_alias(p, "--max-length", "--max-model-len", dest="max_model_len", type=int)
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (endpoint)")
+    add_deprecated_alias(p, "--num-concurrent", "--concurrency", dest="concurrency", type=int)
     p.add_argument("--timeout", type=int, default=7200, help="seconds per HTTP request (endpoint)")
     p.add_argument("--max-retries", type=int, default=3, help="retries of a failed request (endpoint)")
-    p.add_argument("--limit", type=float, help="docs per task (a fraction below 1)")
-    p.add_argument("--out", help="directory for lm-eval's results JSON (and samples)")
-    p.add_argument("--include-path", action="append", default=[], help="more task YAML folders")
+    p.add_argument("--limit", type=float, help="docs per task (a fraction below 1; default: all)")
+    p.add_argument("--out", metavar="DIR", help="folder for lm-eval's results JSON and samples (default: print only)")
+    p.add_argument("--include-path", action="append", default=[],
+                   help="more task YAML folders (repeatable; default: k3ray's own only)")
     p.add_argument("--metadata", default="{}", help='JSON for the tasks, e.g. \'{"max_seq_lengths": [131072]}\'')
     p.add_argument("--log-samples", action="store_true", help="also write every request and response")
     p.add_argument("--apply-chat-template", action="store_true", help="render prompts with the model's chat template")
     p.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (Python, NumPy, torch, few-shot)")
+    add_threads_argument(p)
 
 
 def add_checkpoint_arguments(where: argparse._MutuallyExclusiveGroup, p: argparse.ArgumentParser) -> None:
     """--model (the checkpoint, one of the exclusive targets), --served-model-name, --api-key."""
-    where.add_argument("--model", "--checkpoint", dest="model", metavar="DIR",
-                       help="no server: run this checkpoint directory in this process")
+    where.add_argument("--model", metavar="DIR",
+                       help="no server: run this checkpoint folder (or shipped name) in this process")
+    add_deprecated_alias(where, "--checkpoint", "--model", dest="model")
     p.add_argument("--served-model-name", help="the model name the endpoint serves (default: the first of /v1/models)")
     p.add_argument("--api-key", default=client_api_key(), help=CLIENT_API_KEY_HELP)
 
@@ -180,15 +190,18 @@ def lm_eval_main(args: argparse.Namespace) -> int:
     if args.endpoint is not None:
         info = bridge.probe_server(args.endpoint, args.served_model_name, args.api_key)
         model, model_args = "local-completions", bridge.local_completions_args(
-            info, max_length=args.max_length, num_concurrent=args.num_concurrent, timeout=args.timeout,
+            info, max_length=args.max_model_len, num_concurrent=args.concurrency, timeout=args.timeout,
             max_retries=args.max_retries, api_key=args.api_key)
         if not info.remote_tokenizer:
             print(f"k3ray eval: {info.root} has no /tokenizer_info + /tokenize: text prompts, no tokenizer "
                   "(loglikelihood tasks cannot run)", file=sys.stderr)
     else:
+        from k3ray.threads import set_threads
+
+        set_threads(args.threads)
         model, model_args = "k3ray", {"pretrained": args.model}
-        if args.max_length is not None:
-            model_args["max_length"] = args.max_length
+        if args.max_model_len is not None:
+            model_args["max_length"] = args.max_model_len
     results, path = bridge.run_lm_eval(
         tasks, model, model_args, out_dir=args.out, include_path=args.include_path, limit=args.limit,
         metadata=metadata, log_samples=args.log_samples, apply_chat_template=args.apply_chat_template,
@@ -206,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
     from k3ray.evals.runner import RunConfig, run_eval
     from k3ray.evals.tasks import SUITES
 
-    tasks = tuple(t.strip() for spec in args.task for t in spec.split(",") if t.strip())
+    tasks = tuple(t.strip() for spec in args.tasks for t in spec.split(",") if t.strip())
     if not tasks and not args.task_file:
         tasks = SUITES[args.suite]
     config = RunConfig(

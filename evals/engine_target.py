@@ -59,6 +59,12 @@ class EngineTarget:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
+    def tokens_computed(self) -> int:
+        """Prompt tokens computed or found in the prefix cache, and tokens generated, so far (read
+        from another thread while this one steps: each is one int)."""
+        stats = self.engine.stats
+        return stats.prompt_tokens + stats.generation_tokens + self.engine.cache.prefix_hits
+
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenize(prompt)

@@ -28,6 +28,16 @@ def length_axis_label(summary: dict[str, Any]) -> str:
     return "length (" + " / ".join(units) + ")"
 
 
+def title(summary: dict[str, Any]) -> str:
+    """What the heatmap shows: the tasks, the model (the target: a served name and its server, or
+    engine:<checkpoint>), the samples each cell averages, and the overall accuracy."""
+    config = summary["config"]
+    samples = config.get("samples", 1)
+    accuracy = "-" if summary["accuracy"] is None else f"{100 * summary['accuracy']:.1f}%"
+    return (f"{', '.join(summary['tasks']) or 'no task'} on {config.get('target', 'an unnamed target')}\n"
+            f"{samples} sample{'' if samples == 1 else 's'} per cell, {accuracy} overall")
+
+
 def plot(summary: dict[str, Any], path: str | Path) -> None:
     """Write the grid of `summary` (per length x depth; by length alone when depths are random)."""
     # imported here: matplotlib is slow to import and only the report needs it
@@ -56,7 +66,7 @@ def plot(summary: dict[str, Any], path: str | Path) -> None:
     ax.set_yticks(range(len(rows)), rows)
     ax.set_xlabel(length_axis_label(summary))
     ax.set_ylabel("needle depth")
-    ax.set_title(f"{summary['config'].get('target', '')}: {100 * (summary['accuracy'] or 0):.1f}% overall", fontsize=9)
+    ax.set_title(title(summary), fontsize=9)
     fig.colorbar(image, ax=ax, label="accuracy (%)")
     fig.tight_layout()
     fig.savefig(path)

@@ -90,7 +90,7 @@ def local_completions_args(info: ServerInfo, *, max_length: int | None = None, n
     if max_length is None:
         if info.max_model_len is None:
             raise ValueError(f"{info.root} does not say its context length (no /tokenizer_info or /tokenize "
-                             "max_model_len): pass --max-length")
+                             "max_model_len): pass --max-model-len")
         max_length = info.max_model_len
     if max_length < 2 or (info.max_model_len is not None and max_length > info.max_model_len):
         raise ValueError(f"max_length must be in [2, {info.max_model_len}] (the server's context), got {max_length}")

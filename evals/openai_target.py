@@ -7,6 +7,7 @@ greedy. Token-exact lengths need `POST /tokenize {"model", "prompt"}` -> `{"toke
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,10 @@ class EndpointError(RuntimeError):
     """The server answered with an error, or lacks a route the eval needs."""
 
 
+# counters of a server's /metrics that add up to the tokens its model computed (k3ray's, vLLM's)
+TOKEN_COUNTERS = frozenset(f"{server}:{name}_total" for server in ("k3ray", "vllm")
+                           for name in ("prompt_tokens", "generation_tokens", "prefix_cache_hits"))
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{.*\})?\s+(\S+)")
 RETRYABLE = (429, 503)  # busy or not ready: the server says when to come back (Retry-After)
 MAX_RETRY_WAIT_S = 60.0
 
@@ -64,6 +69,7 @@ class OpenAITarget:
         self.max_retries = max_retries  # of a 429 / 503 answer, as the openai client retries them
         self.name = f"{model}@{self.root}"
         self._client: httpx.Client | None = None
+        self._no_metrics = False  # /metrics answered 404: stop asking
 
     def __getstate__(self) -> dict[str, Any]:
         # the HTTP client holds sockets and locks; a copy in another process opens its own
@@ -105,6 +111,23 @@ class OpenAITarget:
         if self.max_context is None and body.get("max_model_len"):
             self.max_context = int(body["max_model_len"])
         return body
+
+    def tokens_computed(self) -> int | None:
+        """The server's prompt, prefix-hit and generated token counters from its /metrics (every
+        replica's that answers; None when it has none): the progress of a long prefill."""
+        if self._no_metrics:
+            return None
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            response = httpx.get(f"{self.root}/metrics", headers=headers, timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            self._no_metrics = response.status_code in (404, 405)
+            return None
+        samples = (_SAMPLE.match(line) for line in response.text.splitlines() if not line.startswith("#"))
+        values = [float(m.group(2)) for m in samples if m and m.group(1) in TOKEN_COUNTERS]
+        return int(sum(values)) if values else None
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tokenize(text)["tokens"])

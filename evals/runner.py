@@ -13,17 +13,16 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from k3ray.evals import report
+from k3ray.evals.progress import TokenProgress, cell_tokens
 from k3ray.evals.results import append_record, evaluate_cell, finished, load_records
-from k3ray.evals.target import Target, count_tokens
+from k3ray.evals.target import Target, count_tokens, tokens_computed
 from k3ray.evals.tasks import Cell, Task, get_task
 from k3ray.evals.tasks.jsonl import load_jsonl_task
 
@@ -100,9 +99,13 @@ def _use_ray(executor: str) -> bool:
     return bool(os.environ.get("RAY_ADDRESS")) or (ray is not None and ray.is_initialized())
 
 
-def _on_threads(jobs, target: Target, config: RunConfig) -> Iterator[dict[str, Any]]:
+def _on_threads(jobs, target: Target, config: RunConfig, progress: TokenProgress) -> Iterator[dict[str, Any]]:
+    def run(task: Task, cell: Cell) -> dict[str, Any]:
+        progress.started(cell.key)
+        return evaluate_cell(task, target, cell, config.seed, config.reserve_generation)
+
     with ThreadPoolExecutor(max_workers=config.concurrency) as pool:
-        futures = [pool.submit(evaluate_cell, t, target, c, config.seed, config.reserve_generation) for t, c in jobs]
+        futures = [pool.submit(run, t, c) for t, c in jobs]
         for future in as_completed(futures):
             yield future.result()
 
@@ -111,7 +114,7 @@ def _evaluate_shard(shard, target: Target, seed: int, reserve_generation: bool) 
     return [evaluate_cell(t, target, c, seed, reserve_generation) for t, c in shard]
 
 
-def _on_ray(jobs, target: Target, config: RunConfig) -> Iterator[dict[str, Any]]:
+def _on_ray(jobs, target: Target, config: RunConfig, progress: TokenProgress) -> Iterator[dict[str, Any]]:
     import ray
 
     from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
@@ -127,15 +130,20 @@ def _on_ray(jobs, target: Target, config: RunConfig) -> Iterator[dict[str, Any]]
     in_flight = []
     while shards or in_flight:
         while shards and len(in_flight) < config.concurrency:
-            in_flight.append(remote.remote(shards.pop(0), target_ref, config.seed, config.reserve_generation))
+            shard = shards.pop(0)
+            for _, cell in shard:
+                progress.started(cell.key)
+            in_flight.append(remote.remote(shard, target_ref, config.seed, config.reserve_generation))
         done, in_flight = ray.wait(in_flight, num_returns=1)
         yield from ray.get(done[0])
 
 
 def run_eval(
-    config: RunConfig, target: Target, out_dir: str | Path, *, resume: bool = False, progress: bool = True
+    config: RunConfig, target: Target, out_dir: str | Path, *, resume: bool = False, progress: bool = True,
+    on_progress: Callable[[int, int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every unfinished cell of the grid, then write summary.json, heatmap.png and the reports."""
+    """Run every unfinished cell of the grid, then write summary.json, heatmap.png and the reports.
+    progress: a bar in tokens on stderr; on_progress(tokens, total, cells done) sees every update."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "results.jsonl"
@@ -154,10 +162,12 @@ def run_eval(
     if pending:
         runner = _on_ray if _use_ray(config.executor) else _on_threads
         _end_last_line(log)
-        with log.open("a") as fh, tqdm(total=len(pending), disable=not progress, desc="eval", unit="cell") as bar:
-            for record in runner(pending, target, config):
+        tokens = {c.key: cell_tokens(t, c, config.reserve_generation) for t, c in pending}
+        with log.open("a") as fh, TokenProgress(tokens, tokens_computed(target), enabled=progress,
+                                                on_update=on_progress) as bar:
+            for record in runner(pending, target, config, bar):
                 append_record(fh, record)
-                bar.update(1)
+                bar.finished(record["key"])
     records = load_records(log)
     summary = report.summarize([records[k] for k in keys if k in records], tasks, settings)
     report.write_report(out, summary)

@@ -6,7 +6,7 @@ A prompt is either plain text (sent to a completions route) or a list of OpenAI 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 Prompt = str | list[dict[str, Any]]
@@ -34,6 +34,12 @@ def count_tokens(target: Target, text: str) -> int:
     """Token count of `text` for `target`, through a cheaper `count_tokens` method when it has one."""
     counter = getattr(target, "count_tokens", None)
     return counter(text) if counter is not None else len(target.tokenize(text))
+
+
+def tokens_computed(target: Target) -> Callable[[], int | None] | None:
+    """The target's running count of tokens its model computed (prompt tokens, prefix-cache hits,
+    generated tokens; None while it cannot tell), when it keeps one."""
+    return getattr(target, "tokens_computed", None)
 
 
 def count_chat_tokens(target: Target, messages: list[dict[str, Any]]) -> int | None:

@@ -254,6 +254,7 @@ class ThroughputPrediction:
     decode_tok_s_per_device: float
     prefill_tok_s_per_device: float
     measured_context: int  # the context the decode costs were measured at
+    context_len: int  # the plan's: MLA decode costs scaled to it by the latent bytes each step reads
 
 
 def layer_kind(config: ModelConfig, layer_idx: int) -> str:
@@ -274,16 +275,46 @@ def _interpolated_ms(points: list[tuple[int, float]], batch: int) -> float:
     return m * batch / b
 
 
-def predict_throughput(p: Plan, layers: list[dict]) -> ThroughputPrediction:
+def layer_costs_mismatch(p: Plan, model: str | None, device: str | None, gpu: str | None) -> list[str]:
+    """How costs measured for `model` on `device` (torch's: cpu, cuda:0; `gpu` its name) differ
+    from the plan's model and device type; empty when they match."""
+    problems = []
+    if model != p.request.config.name:
+        problems.append(f"model {model or 'unknown'}, not {p.request.config.name}")
+    on_gpu = (device or "").startswith("cuda")
+    if p.request.device == "CPU" and device != "cpu" or p.request.device != "CPU" and not (
+            on_gpu and p.request.device in (gpu or "").upper()):
+        problems.append(f"device {gpu if on_gpu and gpu else device or 'unknown'}, not {p.request.device}")
+    return problems
+
+
+def mla_decode_ms_at(row: dict, context_len: int, latent_bytes_per_token: int) -> float:
+    """An MLA decode row's time at another context, scaled by the bytes its step moves (decode is
+    memory bound: the row's `bytes` = weights + the context's latents + activations)."""
+    extra = int(row["batch"]) * (context_len - int(row["context"])) * latent_bytes_per_token
+    return float(row["ms"]) * (int(row["bytes"]) + extra) / int(row["bytes"])
+
+
+def latent_bytes_per_token(config: ModelConfig, element_bytes: int = 2) -> int:
+    """One token's MLA latent (compressed KV + rope key) in one layer's cache."""
+    return (config.kv_lora_rank + config.qk_rope_head_dim) * element_bytes
+
+
+def predict_throughput(p: Plan, layers: list[dict], latent_bytes: int | None = None) -> ThroughputPrediction:
     """layers: the `layers` rows of `k3ray bench layer` JSON ({kind, phase, batch, context, tokens,
-    ms, ...}). Raises ValueError when a kind the model uses was not measured."""
+    ms, bytes, ...}); MLA decode rows measured at another context are scaled to the plan's
+    (`latent_bytes`: a token's latent in the measured layer, default the plan's model in bf16).
+    Raises ValueError when a kind the model uses was not measured."""
     c = p.request.config
+    latent_bytes = latent_bytes or latent_bytes_per_token(c)
     decode: dict[str, list[tuple[int, float]]] = {}
     prefill_s_per_token: dict[str, float] = {}
     contexts = set()
     for row in layers:
         if row["phase"] == "decode":
-            decode.setdefault(row["kind"], []).append((int(row["batch"]), float(row["ms"])))
+            rescale = row["kind"].startswith("mla") and int(row["context"]) != p.request.context_len
+            ms = mla_decode_ms_at(row, p.request.context_len, latent_bytes) if rescale else float(row["ms"])
+            decode.setdefault(row["kind"], []).append((int(row["batch"]), ms))
             contexts.add(int(row["context"]))
         elif row["phase"] == "prefill":
             prefill_s_per_token[row["kind"]] = float(row["ms"]) / 1e3 / int(row["tokens"])
@@ -297,4 +328,4 @@ def predict_throughput(p: Plan, layers: list[dict]) -> ThroughputPrediction:
     prefill_tok_s = 1 / sum(prefill_s_per_token[k] for k in kinds)
     devices = max(p.num_devices, 1)
     return ThroughputPrediction(batch, step_ms, decode_tok_s, decode_tok_s / devices, prefill_tok_s / devices,
-                                max(contexts))
+                                max(contexts), p.request.context_len)

@@ -15,6 +15,8 @@ import sys
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 
+from k3ray.cli_flags import show_defaults
+
 COMMANDS_GROUP = "k3ray.commands"
 
 
@@ -52,6 +54,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3ray", description="Serve and evaluate Kimi K3 on Ray.")
     parser.add_argument("--version", action="version", version=f"k3ray {_installed_version()}")
     add_subcommands(parser, COMMANDS_GROUP, argv)
+    show_defaults(parser)
     return parser
 
 

@@ -40,6 +40,9 @@ def smaller(port: int) -> dict[str, str]:
         # the 1,048,576-token cell takes an hour on 2 cores: the same command at 1k
         "--lengths 1m --depths 50 --reserve-generation \\\n  --max-model-len 1048576":
             "--lengths 1k --depths 50 --reserve-generation \\\n  --max-model-len 2048",
+        # the trained checkpoint's table: 90 prompts a task; here 6 (test_the_eval_commands_reproduce_their_tables
+        # holds the commands as written to the table)
+        "--lengths 1k,2k,4k --depths 0,50,100 --samples 10": "--lengths 1k,2k --depths 0,50,100 --samples 1",
     }
 
 
@@ -61,6 +64,32 @@ def test_the_readme_has_no_placeholders():
                   "/tokenizer_info", "/metrics", "/health"):
         assert f"`{route}`" in text or f"{route}`" in text, f"route {route} is not documented"
     assert (ROOT / "docs" / "design.md").is_file() and "(docs/design.md)" in text
+
+
+def test_the_eval_commands_reproduce_their_tables():
+    """A results table's heading names its depths, samples and seed, its columns the lengths: the
+    `k3ray eval` commands of the bash block before it ask for exactly those."""
+    from k3ray.cli import build_parser
+    from k3ray.evals.cli import parse_depths, parse_lengths
+
+    text = README.read_text()
+    tables = list(re.finditer(r"^\| exact match, (\d+) depths x (\d+) samples, seed (\d+) \|(.*)\|$", text, re.M))
+    assert tables, "the README's results table is gone"
+    for table in tables:
+        depths, samples, seed = (int(table.group(i)) for i in (1, 2, 3))
+        lengths = {int(c.strip()[:-1]) * 1024 for c in table.group(4).split("|")}
+        code = blocks_before(text, table.start())[-1]
+        evals = [c for c in commands(code) if c.startswith("k3ray eval")]
+        assert evals, f"no k3ray eval command before the table {table.group(0)!r}"
+        for command in evals:
+            argv = command.replace("\\\n", " ").split()[1:]
+            args = build_parser(argv).parse_args(argv)
+            assert (len(parse_depths(args.depths)), args.samples, args.seed) == (depths, samples, seed), command
+            assert set(parse_lengths(args.lengths)) == lengths, command
+
+
+def blocks_before(text: str, end: int) -> list[str]:
+    return [code for _, code in re.findall(r"^```(bash|python)\n(.*?)^```", text[:end], re.S | re.M)]
 
 
 def free_port() -> int:

@@ -20,6 +20,7 @@ import time
 
 from k3ray.actors.pipeline.moe_dispatch_modes import DEFAULT_MOE_DISPATCH, MOE_DISPATCH_MODES
 from k3ray.bench.common import machine
+from k3ray.cli_flags import add_deprecated_alias
 
 HELP = "decode local vs Ray actors, pipeline hop and MoE dispatch cost"
 BLOCK = 16
@@ -29,10 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir (default: the tiny K3)")
     p.add_argument("--pipeline", type=int, default=2, help="pipeline stages of the Ray runner")
     p.add_argument("--expert-parallel", type=int, default=2, help="expert shards per stage")
-    p.add_argument("--batch", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--steps", type=int, default=16, help="decode steps per repetition")
+    p.add_argument("--decode-batch", type=int, default=8, help="sequences decoded together")
+    add_deprecated_alias(p, "--batch", "--decode-batch", dest="decode_batch", type=int)
+    p.add_argument("--decode-steps", type=int, default=16, help="decode steps per repetition")
+    add_deprecated_alias(p, "--steps", "--decode-steps", dest="decode_steps", type=int)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per case (median)")
-    p.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
+    p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--moe-dispatch", choices=MOE_DISPATCH_MODES, default=DEFAULT_MOE_DISPATCH,
                    help="how the Ray runner's stages reach the expert shards")
     p.add_argument("--workload", choices=("uniform", "skewed"), default="uniform",
@@ -40,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "before and after the router's expert rebalancing")
     p.add_argument("--redundant-experts", type=int, default=None,
                    help="replica slots per expert shard for --workload skewed (default: ParallelConfig's)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch CPU threads of this process and of each stage and shard actor")
 
 
 def _decode_args(batch: int, step: int, prompt: int):
@@ -108,8 +113,10 @@ def run(args: argparse.Namespace) -> dict:
     from k3ray.weights import load_model
 
     ckpt = args.model or default_checkpoint_dir()
-    torch.set_num_threads(ParallelConfig().torch_threads)  # the same as each actor: a fair comparison
-    B, prompt = args.batch, 8
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)  # the same as each actor: a fair comparison
+    B, prompt = args.decode_batch, 8
     spec = CacheSpec(num_state_slots=B, num_blocks=B * 8, block_size=BLOCK)
     local = load_model(ckpt, torch.float32).eval()
     local_cache = ModelCache.allocate(local.config, B, B * 8, BLOCK)
@@ -134,17 +141,19 @@ def run(args: argparse.Namespace) -> dict:
         return {**out, "machine": machine(),
                 "config": {"model": ckpt, "workload": "skewed", "pipeline": args.pipeline,
                            "expert_parallel": args.expert_parallel, "moe_dispatch": args.moe_dispatch,
-                           "redundant_experts": args.redundant_experts, "batch": B, "steps": args.steps,
+                           "redundant_experts": args.redundant_experts, "batch": B, "steps": args.decode_steps, "threads": args.threads,
                            "repeats": args.repeats}}
     try:
-        parallel = ParallelConfig(args.pipeline, args.expert_parallel, moe_dispatch=args.moe_dispatch)
+        parallel = ParallelConfig(args.pipeline, args.expert_parallel, moe_dispatch=args.moe_dispatch,
+                                  torch_threads=args.threads)
         runner = RayModelRunner(ckpt, parallel, spec)
-        single = RayModelRunner(ckpt, ParallelConfig(1, args.expert_parallel, moe_dispatch=args.moe_dispatch), spec,
+        single = RayModelRunner(ckpt, ParallelConfig(1, args.expert_parallel, moe_dispatch=args.moe_dispatch,
+                                                         torch_threads=args.threads), spec,
                                 name="k3ray-single")
 
         def loop(step_fn):
             step_fn(_prefill_args(B, prompt))
-            for s in range(args.steps):
+            for s in range(args.decode_steps):
                 step_fn(_decode_args(B, s, prompt))
 
         local_ms, ray_ms, single_ms = [], [], []
@@ -153,7 +162,7 @@ def run(args: argparse.Namespace) -> dict:
             ray_ms.append(_median_ms(lambda: loop(runner.step), 1))
             single_ms.append(_median_ms(lambda: loop(single.step), 1))
         single.shutdown()  # idle actors still take a little of the 2 cores from the timings below
-        tokens = B * args.steps
+        tokens = B * args.decode_steps
         local_tok_s = tokens / (statistics.median(local_ms) / 1000)
         ray_tok_s = tokens / (statistics.median(ray_ms) / 1000)
 
@@ -209,15 +218,15 @@ def run(args: argparse.Namespace) -> dict:
         "compiled_graphs": compiled,
         "local_decode_tok_s": local_tok_s,
         "ray_decode_tok_s": ray_tok_s,
-        "local_step_ms": statistics.median(local_ms) / (args.steps + 1),
-        "ray_step_ms": statistics.median(ray_ms) / (args.steps + 1),
-        "ray_single_stage_step_ms": statistics.median(single_ms) / (args.steps + 1),
+        "local_step_ms": statistics.median(local_ms) / (args.decode_steps + 1),
+        "ray_step_ms": statistics.median(ray_ms) / (args.decode_steps + 1),
+        "ray_single_stage_step_ms": statistics.median(single_ms) / (args.decode_steps + 1),
         "expert_compute_ms_per_layer": expert_ms,
         "moe_layers": moe_layers,
         "machine": machine(),
         "config": {"model": ckpt, "pipeline": args.pipeline, "expert_parallel": args.expert_parallel,
                    "moe_dispatch": args.moe_dispatch, "batch": B,
-                   "steps": args.steps, "repeats": args.repeats},
+                   "steps": args.decode_steps, "repeats": args.repeats},
     }
 
 
@@ -238,13 +247,13 @@ def _compiled_graph(runner, B: int, prompt: int, args, local_ms, tokens) -> dict
     try:
         def loop():
             ray.get(dag.execute(_prefill_args(B, prompt)), timeout=120)  # logits come back packed
-            for s in range(args.steps):
+            for s in range(args.decode_steps):
                 ray.get(dag.execute(_decode_args(B, s, prompt)), timeout=120)
 
         ms = [_median_ms(loop, 1) for _ in range(args.repeats)]
         tok_s = tokens / (statistics.median(ms) / 1000)
         return {"ray_vs_local_tok_s": tok_s / (tokens / (statistics.median(local_ms) / 1000)),
-                "decode_tok_s": tok_s, "step_ms": statistics.median(ms) / (args.steps + 1)}
+                "decode_tok_s": tok_s, "step_ms": statistics.median(ms) / (args.decode_steps + 1)}
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"[:300]}
     finally:

@@ -42,18 +42,19 @@ def run_skewed(args: argparse.Namespace, ckpt: str, spec, decode_args, prefill_a
 
     if args.expert_parallel < 2:
         raise ValueError("--workload skewed needs --expert-parallel >= 2 (shards to balance)")
-    B, prompt = args.batch, 8
+    B, prompt = args.decode_batch, 8
     with tempfile.TemporaryDirectory(prefix="k3ray-skewed-") as tmp:
         skewed = skewed_checkpoint(ckpt, tmp)
         # rebalancing only when asked, so each phase runs one known placement
         parallel = ParallelConfig(args.pipeline, args.expert_parallel, moe_dispatch=args.moe_dispatch,
-                                  redundant_experts=args.redundant_experts, rebalance_steps=0)
+                                  redundant_experts=args.redundant_experts, rebalance_steps=0,
+                                  torch_threads=args.threads)
         runner = RayModelRunner(skewed, parallel, spec)
         try:
             def decode_ms() -> list[float]:
                 runner.step(prefill_args(B, prompt))
                 times = []
-                for s in range(args.steps):
+                for s in range(args.decode_steps):
                     t0 = time.perf_counter()
                     runner.step(decode_args(B, s, prompt))
                     times.append(1000 * (time.perf_counter() - t0))

@@ -243,7 +243,7 @@ class LaunchSettings(Settings):
         "at their node's address); null = 127.0.0.1, or with --address 0.0.0.0 unless the nodes share one "
         "loopback address")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
-    address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
+    address: str | None = Field(None, description="join this Ray cluster; null = start a local Ray instance")
     ingress: Ingress | None = Field(
         None, description=f"HTTP in front of the replicas of a local Ray instance: HAProxy, each replica streaming "
         f"from its own HTTP server (haproxy), or Serve's proxy actor (proxy); null = {DEFAULT_INGRESS}; a joined "

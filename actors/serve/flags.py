@@ -6,6 +6,7 @@ only the flags given reach the settings; an absent one takes the field's default
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import types
 import typing
@@ -17,6 +18,7 @@ from pydantic.fields import FieldInfo
 from k3ray.actors.serve.config import LaunchSettings, ServeArgs
 
 LAUNCH_GROUP = "launch"
+_NULL_MEANING = re.compile(r";? ?\bnull = ([^;]*)")  # a description's "null = <what no value means>"
 
 
 def groups() -> dict[str, type[BaseModel]]:
@@ -103,8 +105,14 @@ def _without_none(annotation: Any) -> Any:
 
 
 def _help(info: FieldInfo) -> str:
+    """The description and its default; an unset (null) default as the description's `null = X` says."""
     assert info.description, "every setting needs a description (its help)"
-    return f"{info.description} (default: {scalar(info.default)})".replace("%", "%%")
+    if info.default is not None:
+        return f"{info.description} (default: {scalar(info.default)})".replace("%", "%%")
+    meaning = _NULL_MEANING.search(info.description)
+    assert meaning, f"a setting without a default says what null means ('null = ...'): {info.description!r}"
+    rest = (info.description[: meaning.start()] + info.description[meaning.end():]).rstrip("; ")
+    return f"{rest} (default: {meaning.group(1)})".replace("%", "%%")
 
 
 def _one_line(doc: str | None) -> str:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from k3ray.threads import resolved_threads
+
 TARGETS = {"stage": "ray::PipelineStage", "shard": "ray::ExpertShard", "replica": "ServeReplica:k3ray:K3Server"}
 PROMPTS = ("Chaos soak: the quick brown fox", "A pipeline of experts, killed at random",
            "Greedy outputs must not change after a recovery", "Fault containment")
@@ -29,12 +31,12 @@ SETTLE_S = 3.0  # a fault counts as recovered once requests succeed with none fa
 RECOVERY_TIMEOUT_S = 300.0  # longest wait for one fault's recovery before the next
 
 
-def serve_args(model: str | None, concurrency: int) -> dict[str, Any]:
+def serve_args(model: str | None, concurrency: int, threads: int | None = None) -> dict[str, Any]:
     """The server under chaos: pipeline 2 x expert-parallel 2, every actor on a fraction of a CPU."""
     args: dict[str, Any] = {
         "parallel": {"pipeline": 2, "expert_parallel": 2, "replica_cpus": 0.5, "stage_cpus": 0.5,
                      "shard_cpus": 0.25, "router_cpus": 0.25, "vision_cpus": 0.25},
-        "engine": {"max_num_seqs": max(8, concurrency)},
+        "engine": {"max_num_seqs": max(8, concurrency), "threads": threads},
     }
     if model is not None:
         args["model"] = {"model": model}
@@ -59,7 +61,7 @@ def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     from k3ray.evals.serve_bench.server import local_serve_app, server_facts
 
-    with local_serve_app(serve_args(args.model, args.concurrency)) as url:
+    with local_serve_app(serve_args(args.model, args.concurrency, resolved_threads(args.threads))) as url:
         model, _ = server_facts(url, None, api_key=args.api_key)
         return asyncio.run(_chaos(args, url, model))
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
 from k3ray.evals.serve_bench import datasets
+from k3ray.cli_flags import add_deprecated_alias
 from k3ray.threads import add_threads_argument, resolved_threads
 
 HELP = "served TTFT / TPOT / ITL / throughput vs the in-process engine"
@@ -67,23 +68,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="server URL (default: start k3ray's Serve app on 127.0.0.1)")
     parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                         help="without --endpoint: HAProxy + each replica's own HTTP server, or Serve's proxy actor")
-    parser.add_argument("--model", "--checkpoint", dest="model", metavar="DIR",
+    parser.add_argument("--model", metavar="DIR",
                         help="checkpoint served locally and run in process (default: tiny K3); with --endpoint, the "
                         "in-process side of served_vs_engine_tok_s")
+    add_deprecated_alias(parser, "--checkpoint", "--model", dest="model")
     parser.add_argument("--served-model-name", help="the model name the endpoint serves (default: the first of "
                         "/v1/models)")
     parser.add_argument("--api-key", default=client_api_key(), help=CLIENT_API_KEY_HELP)
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine runs")
     parser.add_argument("--dataset", choices=datasets.DATASETS, default="random",
-                        help="random token ids, or long prompts of the bundled text (default random)")
-    parser.add_argument("--input-len", type=int, help="prompt tokens (mean; default 32, ramp 2048, shared-prefix 1024: the first turn)")
-    parser.add_argument("--output-len", type=int, help="generated tokens (mean; EOS ignored; default 16, ramp 8, shared-prefix 4)")
+                        help="random token ids, or long prompts of the bundled text")
+    parser.add_argument("--prompt-tokens", dest="input_len", type=int,
+                        help="prompt tokens (mean; default: 32, ramp 2048, shared-prefix 1024: the first turn)")
+    add_deprecated_alias(parser, "--input-len", "--prompt-tokens", dest="input_len", type=int)
+    parser.add_argument("--max-tokens", dest="output_len", type=int,
+                        help="generated tokens (mean; EOS ignored; default: 16, ramp 8, shared-prefix 4)")
+    add_deprecated_alias(parser, "--output-len", "--max-tokens", dest="output_len", type=int)
     parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * (1 +- ratio)")
     parser.add_argument("--num-prompts", type=int, help="requests per level (default: 2 x concurrency, at least 4)")
-    parser.add_argument("--concurrency", default="1,8,64", help="levels: most requests in flight (inf: no cap)")
+    parser.add_argument("--concurrency", default="1,8,64",
+                        help="requests in flight, one level per comma-separated value (inf: no cap)")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
-    parser.add_argument("--goodput", nargs="*", default=[], metavar="SLO", help="e.g. ttft:500 tpot:50 e2el:2000 (ms)")
+    parser.add_argument("--goodput", nargs="*", default=[], metavar="SLO", help="service-level objectives in ms, e.g. ttft:500 tpot:50 e2el:2000 (default: none)")
     parser.add_argument("--metric-percentiles", default="50,99", help="percentiles reported (99 always)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved served / engine runs per level (median)")
     parser.add_argument("--warmups", type=int, default=1, help="untimed requests before the levels")

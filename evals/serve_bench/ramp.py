@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.input_len = INPUT_LEN if args.input_len is None else args.input_len
     args.output_len = OUTPUT_LEN if args.output_len is None else args.output_len
     if min(args.input_len, args.output_len, args.rounds) < 1 or args.ttft_slo_ms <= 0:
-        raise ValueError(f"--input-len, --output-len and --rounds must be >= 1 and --ttft-slo-ms > 0, got "
+        raise ValueError(f"--prompt-tokens, --max-tokens and --rounds must be >= 1 and --ttft-slo-ms > 0, got "
                          f"{args.input_len}, {args.output_len}, {args.rounds}, {args.ttft_slo_ms}")
     offsets = ramp_offsets(args.base_rate, args.peak_rate, args.warm_s, args.ramp_s, args.hold_s, args.seed)
     if not offsets:

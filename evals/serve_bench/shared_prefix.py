@@ -4,8 +4,8 @@ replica, the same requests each time.
 
 --conversations conversations, one starting every --start-gap-s seconds, each --turns turns one
 after another. A turn's prompt is
-the turn before's prompt, its reply as a client resends it (--output-len tokens) and a new message
-(--turn-len tokens); the first prompt has --input-len tokens (random ordinary token ids, a fresh
+the turn before's prompt, its reply as a client resends it (--max-tokens tokens) and a new message
+(--turn-len tokens); the first prompt has --prompt-tokens tokens (random ordinary token ids, a fresh
 seed per conversation, so conversations share nothing). Each configuration gets a fresh app on one
 local Ray instance (haproxy ingress), a warm-up conversation, then the workload. The prefix-cache
 hit rate (prompt tokens resumed from the cache / prompt tokens looked up, summed over the replicas'
@@ -31,8 +31,8 @@ CONFIGS = {"affinity": (2, "affinity"), "default": (2, "default"), "single_repli
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("--workload shared-prefix", f"the first prompt has --input-len tokens "
-                                      f"(default {INPUT_LEN}), a reply --output-len (default {OUTPUT_LEN})")
+    group = parser.add_argument_group("--workload shared-prefix", f"the first prompt has --prompt-tokens tokens "
+                                      f"(default {INPUT_LEN}), a reply --max-tokens (default {OUTPUT_LEN})")
     group.add_argument("--conversations", type=int, default=8, help="conversations at once (default 8)")
     group.add_argument("--turns", type=int, default=8, help="turns per conversation (default 8)")
     group.add_argument("--turn-len", type=int, default=64, help="tokens of each new message (default 64)")

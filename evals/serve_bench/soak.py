@@ -1,4 +1,4 @@
-"""`k3ray bench soak`: a bounded soak of an OpenAI-compatible endpoint on loopback: --requests
+"""`k3ray bench soak`: a bounded soak of an OpenAI-compatible endpoint on loopback: --num-prompts
 requests (plain and streamed completions, chat) at --concurrency, every failure counted by type,
 and the replica's memory sampled over the run.
 
@@ -21,6 +21,8 @@ from collections import Counter
 from typing import Any
 
 from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
+from k3ray.cli_flags import add_deprecated_alias
+from k3ray.threads import add_threads_argument, resolved_threads
 
 HELP = "bounded soak on loopback: errors by type and the replica's memory over time"
 KINDS = ("completion", "stream", "chat")
@@ -29,21 +31,25 @@ REPLICA_MARK = "ServeReplica:"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="server URL (default: start k3ray's Serve app on 127.0.0.1)")
-    parser.add_argument("--model", "--checkpoint", dest="model", metavar="DIR",
-                        help="checkpoint served locally (default: tiny K3)")
+    parser.add_argument("--model", metavar="DIR", help="checkpoint served locally (default: tiny K3)")
+    add_deprecated_alias(parser, "--checkpoint", "--model", dest="model")
+    parser.add_argument("--served-model-name", help="the model name the endpoint serves (default: the first of "
+                        "/v1/models)")
     parser.add_argument("--api-key", default=client_api_key(), help=CLIENT_API_KEY_HELP)
-    parser.add_argument("--requests", type=int, default=400, help="requests in all (default 400)")
+    parser.add_argument("--num-prompts", dest="requests", type=int, default=400, help="requests in all")
+    add_deprecated_alias(parser, "--requests", "--num-prompts", dest="requests", type=int)
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (default 8)")
-    parser.add_argument("--samples", type=int, default=10, help="memory samples over the run (default 10)")
+    parser.add_argument("--memory-samples", type=int, default=10, help="memory samples over the run")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--chaos", action="store_true",
                         help="start a pipeline 2 x expert-parallel 2 server and kill a random stage, shard or replica "
-                        "every --fault-every seconds, for --duration seconds (instead of --requests); greedy requests")
+                        "every --fault-every seconds, for --duration seconds (instead of --num-prompts); greedy requests")
     parser.add_argument("--duration", type=float, default=600.0, help="--chaos: seconds of load (default 600)")
     parser.add_argument("--fault-every", type=float, default=30.0,
                         help="--chaos: seconds between faults, each after the last recovered (default 30)")
     parser.add_argument("--seed", type=int, default=0, help="--chaos: which targets, in which order")
+    add_threads_argument(parser, "the served replica (without --endpoint)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,14 +57,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from k3ray.evals.serve_bench.chaos import run_chaos
 
         return run_chaos(args)
-    for name in ("requests", "concurrency", "max_tokens", "samples"):
+    for flag, name in (("--num-prompts", "requests"), ("--concurrency", "concurrency"), ("--max-tokens", "max_tokens"),
+                       ("--memory-samples", "memory_samples")):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise ValueError(f"{flag} must be >= 1, got {getattr(args, name)}")
     if args.endpoint is not None:
         return _soak(args, args.endpoint.rstrip("/"), local=False)
     from k3ray.evals.serve_bench.server import local_serve_app
 
-    serve_args: dict[str, Any] = {"engine": {"max_num_seqs": max(8, args.concurrency)}}
+    serve_args: dict[str, Any] = {"engine": {"max_num_seqs": max(8, args.concurrency),
+                                             "threads": resolved_threads(args.threads)}}
     if args.model is not None:
         serve_args["model"] = {"model": args.model}
     with local_serve_app(serve_args) as url:
@@ -84,7 +92,7 @@ def _soak(args: argparse.Namespace, url: str, local: bool) -> dict[str, Any]:
     from k3ray.bench.common import machine
     from k3ray.evals.serve_bench.server import server_facts
 
-    model, _ = server_facts(url, None, api_key=args.api_key)
+    model, _ = server_facts(url, args.served_model_name, api_key=args.api_key)
     outcomes, timeline, seconds = asyncio.run(_drive(args, url, model, local))
     errors = {kind: n for kind, n in sorted(outcomes.items()) if kind != "ok"}
     return {
@@ -107,7 +115,7 @@ async def _drive(args, url: str, model: str, local: bool) -> tuple[Counter, list
 
     outcomes: Counter = Counter()
     timeline = [[0, replica_rss_mb()]] if local else []
-    every = max(1, args.requests // args.samples)
+    every = max(1, args.requests // args.memory_samples)
     done = 0
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(args.requests):

@@ -13,7 +13,7 @@ SUBCOMMANDS = "k3ray.benchmarks"
 
 
 def add_leaf_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="PATH", help="also write the result object to PATH")
+    p.add_argument("--json", metavar="PATH", help="also write the result object to PATH (default: print only)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,13 +14,15 @@ from typing import Any
 
 from k3ray.bench.common import machine
 from k3ray.bench.kernels import OP_MODULES
+from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "Triton kernels compiled for sm_90 at K3 shapes without a GPU: registers, spills, shared memory, MMA use"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", default=",".join(OP_MODULES), help="comma-separated op folders to compile")
-    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an integer (default 90)")
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an integer")
+    add_threads_argument(parser)
 
 
 def launch_modules(ops: list[str]) -> list[Any]:
@@ -34,6 +36,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import triton
 
     from k3ray.kernels.offline_compile import H200, profile_launches
+
+    set_threads(args.threads)
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     rows = []

@@ -33,7 +33,8 @@ from typing import Any, Iterator
 import psutil
 
 from k3ray.bench.common import machine
-from k3ray.config import preset
+from k3ray.cli_flags import add_deprecated_alias
+from k3ray.model_source import add_random_model_argument, model_config
 from k3ray.device_flags import add_device_argument, add_dtype_argument, add_enforce_eager_argument
 from k3ray.threads import add_threads_argument, set_threads
 
@@ -44,7 +45,7 @@ PREFIX_SCAN_PROMPTS = 4  # unrelated prompts between the shared prefix's hits in
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="k3-tiny", help="model preset (random weights, seed 0)")
+    add_random_model_argument(parser)
     add_threads_argument(parser)
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight in the batching run")
@@ -55,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens of the prefix-cache run")
     parser.add_argument("--prefix-shared", type=float, default=0.9, help="share of those prompts that is a common prefix")
     parser.add_argument("--snapshot-interval", type=int, default=16, help="blocks between state snapshots")
-    parser.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per speculative step")
+    parser.add_argument("--speculative-ngram", type=int, default=4,
+                        help="draft tokens per step by n-gram lookup in the speculative run")
+    add_deprecated_alias(parser, "--spec-tokens", "--speculative-ngram", dest="speculative_ngram", type=int)
     parser.add_argument("--spec-max-tokens", type=int, default=64, help="new tokens of the speculative run")
     parser.add_argument("--spec-attn-scale", type=float, default=0.1,
                         help="attention weight scale of the draft-friendly model")
@@ -64,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype_argument(parser)
     parser.add_argument("--graph-max-tokens", type=int, default=128, help="decode steps timed per CUDA-graph run")
     parser.add_argument("--skip", nargs="*", default=[], choices=["batching", "prefix", "spec", "long", "graphs"],
-                        help="runs to leave out")
+                        help="runs to leave out (default: none)")
     add_device_argument(parser)
     add_enforce_eager_argument(parser)
 
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     args.device = resolve_device(args.device)
     result: dict[str, Any] = {}
-    model = build_model(preset(args.preset), getattr(torch, args.dtype), seed=0, device=args.device)
+    model = build_model(model_config(args.model), getattr(torch, args.dtype), seed=0, device=args.device)
     if "graphs" not in args.skip and args.device.type == "cuda":
         result.update(bench_graphs(model, args))
     if "batching" not in args.skip:
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["config"] = {k: str(v) if k == "device" else v for k, v in vars(args).items()
                         if not k.startswith("_") and k != "json"}
     result["config"]["spec_model"] = (
-        f"{args.preset} with attention o_proj scaled by {args.spec_attn_scale} (greedy text loops)"
+        f"{args.model} with attention o_proj scaled by {args.spec_attn_scale} (greedy text loops)"
     )
     return result
 
@@ -261,7 +264,7 @@ def bench_spec(args) -> dict[str, Any]:
     from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
     from k3ray.models.init import build_model
 
-    model = build_model(preset(args.preset), getattr(torch, args.dtype), seed=0, device=args.device)
+    model = build_model(model_config(args.model), getattr(torch, args.dtype), seed=0, device=args.device)
     with torch.no_grad():
         for layer in model.model.layers.values():
             layer.self_attn.o_proj.weight.mul_(args.spec_attn_scale)
@@ -270,7 +273,7 @@ def bench_spec(args) -> dict[str, Any]:
     common = dict(max_num_seqs=4, block_size=args.block_size, enable_prefix_caching=False, enforce_eager=args.enforce_eager,
                   num_blocks=4 * _blocks(args.spec_max_tokens + 64, args.block_size))
     plain = LLM(model, **common)
-    spec = LLM(model, speculative=SpeculativeConfig("ngram", args.spec_tokens), **common)
+    spec = LLM(model, speculative=SpeculativeConfig("ngram", args.speculative_ngram), **common)
     times = {}
     for name, llm in (("plain", plain), ("spec", spec)):
         llm.generate(prompts, params)  # warm-up

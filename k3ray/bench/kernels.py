@@ -18,6 +18,8 @@ import warnings
 from typing import Any, Callable
 
 from k3ray.bench.common import machine, median_time
+from k3ray.cli_flags import add_deprecated_alias
+from k3ray.device_flags import add_device_argument
 from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "per-op kernel timings at K3 and tiny shapes"
@@ -26,14 +28,17 @@ OP_MODULES = ("kda", "conv", "mla", "attn_res", "moe")
 H200_BYTES_PER_S = 4.8e12
 H200_FLOPS = 790e12  # measured dense bf16 (the 990e12 datasheet figure is not reached)
 TINY_LABEL = "k3-tiny"
+MODEL_SHAPES = ("k3", TINY_LABEL)  # a case's shape label starts with one of them
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer cases and repeats")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    add_device_argument(parser)
     parser.add_argument("--ops", default=",".join(OP_MODULES), help="comma-separated op folders to run")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 5, quick 2)")
-    parser.add_argument("--tiny", action="store_true", help="only the tiny-shape cases (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default: 5, --quick 2)")
+    parser.add_argument("--model", choices=MODEL_SHAPES, default=None,
+                        help="only the cases at this model's shapes (k3-tiny: a smoke run; default: both)")
+    add_deprecated_alias(parser, "--tiny", "--model k3-tiny", action="store_const", dest="model", const=TINY_LABEL)
     parser.add_argument("--compare", action="store_true",
                         help="time every case interleaved with its baselines (fla-core, torch, naive.py); "
                              "rows gain baseline, baseline_ms, speedup_vs_baseline")
@@ -169,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with torch.inference_mode():
         for module in _op_modules(ops):  # one module's inputs alive at a time
             for case in module.cases(device, args.quick):
-                if args.tiny and not case["shape"].startswith(TINY_LABEL):
+                if args.model is not None and case["shape"].split()[0] != args.model:
                     continue
                 if args.compare:
                     seconds, fields = compare_case(case, device, repeats)
@@ -178,12 +183,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     seconds = median_time(_synced(case["fn"], device), repeats=repeats, warmup=1)
                     rows.append(_row(case, device, seconds))
         compare = None
-        if not args.no_naive_ratio and not args.tiny and "kda" in ops:
+        if not args.no_naive_ratio and args.model is None and "kda" in ops:
             heads = args.naive_ratio_heads or (8 if args.quick else 16)
             compare = compare_with_fla_naive_chunk(heads, 1 if args.quick else 3)
     return {
         "machine": machine(),
-        "config": {"device": device, "quick": args.quick, "tiny": args.tiny, "side_by_side": args.compare,
+        "config": {"device": device, "quick": args.quick, "model": args.model, "side_by_side": args.compare,
                    "repeats": repeats, "ops": ops, "threads": torch.get_num_threads(),
                    "load_avg_1min": [load_before, os.getloadavg()[0]], "compare": compare},
         "kda_prefill_vs_naive_chunk": None if compare is None else compare["ratio"],

@@ -16,7 +16,9 @@ from typing import Any
 
 from k3ray.bench.common import machine, median_time, under_torch
 from k3ray.bench.kernels import H200_BYTES_PER_S
-from k3ray.config import ModelConfig, preset
+from k3ray.cli_flags import add_deprecated_alias
+from k3ray.config import ModelConfig
+from k3ray.model_source import MODEL_CONFIG_HELP, model_config
 from k3ray.device_flags import add_device_argument, add_dtype_argument
 from k3ray.threads import add_threads_argument, set_threads
 
@@ -30,11 +32,18 @@ SIZES = {"k3": (8192, [1, 64, 256], 32768), "k3-tiny": (256, [1, 8], 512)}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p)
-    p.add_argument("--preset", default=None, help="model widths: k3 (default on CUDA) or k3-tiny (default on CPU)")
+    p.add_argument("--model", default=None,
+                   help=f"whose widths: {MODEL_CONFIG_HELP} (default: k3 on CUDA, k3-tiny on CPU)")
+    add_deprecated_alias(p, "--preset", "--model", dest="model")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="layer kinds to time (default all)")
-    p.add_argument("--prefill-tokens", type=int, default=None, help="default: 8,192 for k3, 256 for k3-tiny")
-    p.add_argument("--decode-batch", type=int, nargs="+", default=None, help="default: 1 64 256 for k3, 1 8 tiny")
-    p.add_argument("--context", type=int, default=None, help="decode context: default 32,768 for k3, 512 tiny")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="prefill tokens (default: 8,192 for k3, 256 for other models)")
+    add_deprecated_alias(p, "--prefill-tokens", "--prompt-tokens", dest="prompt_tokens", type=int)
+    p.add_argument("--decode-batch", type=int, nargs="+", default=None,
+                   help="decode batch sizes (default: 1 64 256 for k3, 1 8 for other models)")
+    p.add_argument("--context-len", type=int, default=None,
+                   help="tokens in context of each decode step (default: 32,768 for k3, 512 for other models)")
+    add_deprecated_alias(p, "--context", "--context-len", dest="context_len", type=int)
     add_dtype_argument(p, default="bfloat16")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     add_threads_argument(p)
@@ -212,14 +221,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from k3ray.device import resolve_device
 
     device = resolve_device(args.device)
-    name = args.preset or ("k3" if device.type == "cuda" else "k3-tiny")
-    config = preset(name)
+    config = model_config(args.model or ("k3" if device.type == "cuda" else "k3-tiny"))
+    name = config.name
     prefill, batches, context = SIZES.get(name, SIZES["k3-tiny"])
-    prefill = args.prefill_tokens or prefill
+    prefill = args.prompt_tokens or prefill
     batches = args.decode_batch or batches
-    context = args.context or context
+    context = args.context_len or context
     if min([prefill, context, *batches]) < 1:
-        raise ValueError("--prefill-tokens, --decode-batch and --context must be >= 1")
+        raise ValueError("--prompt-tokens, --decode-batch and --context-len must be >= 1")
     set_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     rows = []

@@ -8,7 +8,8 @@ import statistics
 import time
 
 from k3ray.bench.common import machine, median_time
-from k3ray.config import preset
+from k3ray.cli_flags import add_deprecated_alias
+from k3ray.model_source import add_random_model_argument, model_config
 from k3ray.device_flags import add_device_argument, add_enforce_eager_argument
 from k3ray.threads import add_threads_argument, set_threads
 
@@ -17,8 +18,9 @@ BLOCK = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="k3-tiny", help="model preset (random weights, seed 0)")
-    p.add_argument("--prompt-len", type=int, default=1024, help="prefill tokens")
+    add_random_model_argument(p)
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="prefill tokens")
+    add_deprecated_alias(p, "--prompt-len", "--prompt-tokens", dest="prompt_tokens", type=int)
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per batch size")
     p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 16], help="decode batch sizes")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     from k3ray.device import resolve_device
     from k3ray.models.init import build_model
 
-    config = preset(args.preset)
+    config = model_config(args.model)
     device = resolve_device(args.device)
     set_threads(args.threads)
     torch.manual_seed(0)
@@ -103,10 +105,10 @@ def run(args: argparse.Namespace) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         model = build_model(config, dtype, seed=0, device=device)
         name = str(dtype).split(".")[-1]
-        ids = torch.randint(0, 256, (args.prompt_len,))
+        ids = torch.randint(0, 256, (args.prompt_tokens,))
         t = median_time(lambda: _prefill(model, ids, 1, device), repeats=args.repeats)
-        rows.append({"phase": "prefill", "dtype": name, "batch": 1, "tokens": args.prompt_len,
-                     "tok_s": args.prompt_len / t})
+        rows.append({"phase": "prefill", "dtype": name, "batch": 1, "tokens": args.prompt_tokens,
+                     "tok_s": args.prompt_tokens / t})
         for bsz in args.decode_batch:
             prefill_part = median_time(lambda: _prefill(model, ids[:16], bsz, device), repeats=args.repeats)
             t = median_time(lambda: _decode_eager(model, ids[:16], bsz, args.decode_steps, device),
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
         "decode_tok_s": next(r["tok_s"] for r in fp32 if r["phase"] == "decode" and r["batch"] == 1),
         "rows": rows,
         "machine": machine(),
-        "config": {"preset": args.preset, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
+        "config": {"preset": config.name, "prompt_len": args.prompt_tokens, "decode_steps": args.decode_steps,
                    "decode_batch": args.decode_batch, "repeats": args.repeats, "threads": torch.get_num_threads(),
                    "device": str(device), "cuda_graphs": device.type == "cuda" and not args.enforce_eager},
     }

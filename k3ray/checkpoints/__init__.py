@@ -1,5 +1,5 @@
 """Checkpoints shipped inside the package, loadable by name wherever a checkpoint directory is
-taken (`K3.load`, `LLM`, `load_model`, `k3ray serve --model`, `k3ray eval --checkpoint`).
+taken (`K3.load`, `LLM`, `load_model`, `k3ray serve --model`, `k3ray eval --model`).
 
 k3-tiny-niah: the tiny K3 trained for retrieval by `python -m k3ray.evals.fixture.train`, exported
 into this folder with its training log beside the weights (`train_log.jsonl`: each stage's start

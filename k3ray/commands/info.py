@@ -5,18 +5,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
-from k3ray.config import ModelConfig, preset
+from k3ray.cli_flags import add_deprecated_alias
+from k3ray.model_source import MODEL_CONFIG_HELP, model_config
 
 HELP = "parameter counts and per-sequence memory of a preset or checkpoint"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="a named config: k3 or k3-tiny")
-    src.add_argument("path", nargs="?", help="a checkpoint directory or a config.json")
+    add_model_config_arguments(p)
     p.add_argument("--context-len", type=_parse_len, default=None, help="tokens (k/m suffixes; default: the model max)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_format_argument(p)
+
+
+def add_model_config_arguments(p: argparse.ArgumentParser, default: str = "k3") -> None:
+    """`--model` read for its config only, and its old spellings (`--preset`, a positional path)."""
+    p.add_argument("--model", default=default, help=MODEL_CONFIG_HELP)
+    add_deprecated_alias(p, "--preset", "--model", dest="model")
+    p.add_argument("legacy_path", nargs="?", help=argparse.SUPPRESS)  # the old positional path
+
+
+def add_format_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=("table", "json"), default="table", help="print a table or JSON")
+
+
+def model_argument(args: argparse.Namespace) -> str:
+    """--model, or the deprecated positional path when one was given."""
+    if args.legacy_path is None:
+        return args.model
+    print("warning: a positional checkpoint path is deprecated; use --model PATH", file=sys.stderr)
+    return args.legacy_path
 
 
 def _parse_len(text: str) -> int:
@@ -28,19 +47,10 @@ def _parse_len(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from e
 
 
-def load_config(preset_name: str | None, path: str | None) -> ModelConfig:
-    if path:
-        cfg = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.exists(cfg):
-            raise ValueError(f"no config.json at {path}")
-        return ModelConfig.from_json_file(cfg)
-    return preset(preset_name or "k3")
-
-
 def main(args: argparse.Namespace) -> int:
     from k3ray.info import sequence_memory, summarize  # torch: imported only when the command runs
 
-    config = load_config(args.preset, args.path)
+    config = model_config(model_argument(args))
     s = summarize(config)
     ctx = args.context_len if args.context_len is not None else config.max_position_embeddings
     mem = sequence_memory(config, ctx)
@@ -62,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
             "total_bytes": mem.total_bytes,
         },
     }
-    if args.json:
+    if args.format == "json":
         print(json.dumps(report, indent=2))
         return 0
     print(f"{config.name}: {config.num_layers} layers ({len(config.kda_layer_ids)} KDA, {len(config.mla_layer_ids)} MLA), "

@@ -6,35 +6,43 @@ import argparse
 import dataclasses
 import json
 
-from k3ray.commands.info import _parse_len, load_config
+from k3ray.cli_flags import add_deprecated_alias
+from k3ray.commands.info import _parse_len, add_format_argument, add_model_config_arguments, model_argument
+from k3ray.model_source import model_config
 
 HELP = "size a deployment: actor layout, devices and memory per actor"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="a named config: k3 (default) or k3-tiny")
-    src.add_argument("path", nargs="?", help="a checkpoint directory or a config.json")
-    p.add_argument("--device", default="H200", help="H100, H200, B200 or CPU")
-    p.add_argument("--device-memory-gib", type=float, default=None, help="memory per device (required for CPU)")
+    add_model_config_arguments(p)
+    p.add_argument("--device-type", default="H200", help="H100, H200, B200 or CPU")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="memory per device (default: the device type's; required for CPU)")
     p.add_argument("--context-len", type=_parse_len, default=131072, help="tokens per sequence (k/m suffixes)")
-    p.add_argument("--concurrency", type=int, default=8, help="sequences resident at once")
-    p.add_argument("--experts", choices=["mxfp4", "bf16"], default="mxfp4", help="routed-expert weight format")
-    p.add_argument("--pipeline", type=int, default=None, help="fix the number of pipeline stages")
-    p.add_argument("--expert-parallel", type=int, default=None, help="fix expert shards per stage")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences resident at once (serve's --max-num-seqs)")
+    p.add_argument("--expert-format", choices=["mxfp4", "bf16"], default="mxfp4", help="routed-expert weight format")
+    add_deprecated_alias(p, "--experts", "--expert-format", dest="expert_format", choices=["mxfp4", "bf16"])
+    p.add_argument("--pipeline", type=int, default=None, help="fix the number of pipeline stages (default: the fewest "
+                   "that fit)")
+    p.add_argument("--expert-parallel", type=int, default=None, help="fix expert shards per stage (default: the fewest "
+                   "that fit)")
     p.add_argument("--redundant-experts", type=int, default=1,
                    help="replicas of hot experts per expert shard and MoE layer (expert balancing)")
     p.add_argument("--layer-costs", metavar="FILE", default=None,
-                   help="`k3ray bench layer --json` output: also predict tokens/s per device for the layout")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+                   help="`k3ray bench layer --json` output: also predict tokens/s per device for the layout "
+                   "(default: no prediction); refused when measured for another model or device type")
+    p.add_argument("--extrapolate", action="store_true",
+                   help="print that prediction from another model's or device's costs, labelled an extrapolation")
+    add_format_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
-    from k3ray.capacity import GIB, PlanRequest, plan, predict_throughput
+    from k3ray.capacity import GIB, PlanRequest, plan
 
     req = PlanRequest(
-        config=load_config(args.preset, args.path), device=args.device.upper() if args.device.lower() != "cpu" else "CPU",
-        context_len=args.context_len, concurrency=args.concurrency, expert_format=args.experts,
+        config=model_config(model_argument(args)),
+        device=args.device_type.upper() if args.device_type.lower() != "cpu" else "CPU",
+        context_len=args.context_len, concurrency=args.max_num_seqs, expert_format=args.expert_format,
         pipeline=args.pipeline, expert_parallel=args.expert_parallel, device_memory_gib=args.device_memory_gib,
         redundant_experts=args.redundant_experts,
     )
@@ -52,11 +60,12 @@ def main(args: argparse.Namespace) -> int:
                "usable_gib_per_device": round(p.device_bytes / GIB, 1), "context_len": req.context_len,
                "concurrency": req.concurrency, "experts": req.expert_format,
                "serve_parallel": p.serve_parallel(), "actors": rows}
-    prediction = predict_throughput(p, _layer_rows(args.layer_costs)) if args.layer_costs else None
+    prediction, caveat = _prediction(p, args.layer_costs, args.extrapolate) if args.layer_costs else (None, None)
     if prediction is not None:
         summary["prediction"] = {k: round(v, 3) if isinstance(v, float) else v
                                  for k, v in dataclasses.asdict(prediction).items()}
-    if args.json:
+        summary["prediction"]["extrapolated_from"] = caveat
+    if args.format == "json":
         print(json.dumps(summary, indent=2))
         return 0
     print(f"{req.config.name} on {req.device}: pipeline {p.pipeline} x expert-parallel {p.expert_parallel} "
@@ -68,22 +77,42 @@ def main(args: argparse.Namespace) -> int:
         print("  " + "  ".join(f"{str(r[c]):>13}" for c in cols))
     print(f"  k3ray serve {p.serve_flags()}")
     if prediction is not None:
-        print(f"predicted from {args.layer_costs} (decode costs at a {prediction.measured_context:,}-token context): "
+        scaled = (f"MLA decode costs measured at a {prediction.measured_context:,}-token context, scaled to "
+                  f"{prediction.context_len:,}" if prediction.measured_context != prediction.context_len else
+                  f"decode costs at a {prediction.context_len:,}-token context")
+        head = f"EXTRAPOLATION from costs measured for {caveat}" if caveat else "predicted"
+        print(f"{head} from {args.layer_costs} ({scaled}): "
               f"decode {prediction.decode_tok_s_per_device:,.1f} tok/s per device "
               f"({prediction.decode_tok_s:,.1f} per replica, {prediction.decode_step_ms:,.1f} ms a step of "
               f"{prediction.batch}), prefill {prediction.prefill_tok_s_per_device:,.1f} tok/s per device")
     return 0
 
 
-def _layer_rows(path: str) -> list[dict]:
-    """The `layers` rows of a `k3ray bench layer --json` file."""
+def _prediction(p, path: str, extrapolate: bool):
+    """(the throughput predicted from a `k3ray bench layer --json` file, None or what it was measured
+    for when that is not the plan's model and device type: then only with --extrapolate)."""
+    from k3ray.capacity import latent_bytes_per_token, layer_costs_mismatch, predict_throughput
+    from k3ray.config import PRESETS
+
     with open(path) as f:
         data = json.load(f)
     rows = data.get("layers") if isinstance(data, dict) else None
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path}: no `layers` list (write it with `k3ray bench layer --json {path}`)")
-    keys = {"kind", "phase", "batch", "context", "tokens", "ms"}
+    keys = {"kind", "phase", "batch", "context", "tokens", "ms", "bytes"}
     for row in rows:
         if not isinstance(row, dict) or not keys <= row.keys():
             raise ValueError(f"{path}: every `layers` row needs {sorted(keys)}, got {row!r}")
-    return rows
+    measured = data.get("config") or {}
+    model, device, gpu = measured.get("preset"), measured.get("device"), (data.get("machine") or {}).get("gpu")
+    mismatch = layer_costs_mismatch(p, model, device, gpu)
+    if mismatch and not extrapolate:
+        name, kind = p.request.config.name, p.request.device
+        where = "--device cpu" if kind == "CPU" else f"--device cuda` on a {kind}"
+        raise ValueError(f"{path} was measured for {'; '.join(mismatch)}: measure this plan's costs with "
+                         f"`k3ray bench layer --model {name} {where}{'`' if kind == 'CPU' else ''}, or pass "
+                         "--extrapolate to print the figure labelled as an extrapolation")
+    measured_config = model_config(model) if model in PRESETS else p.request.config
+    latent = latent_bytes_per_token(measured_config, 4 if measured.get("dtype") == "float32" else 2)
+    caveat = f"{model or 'an unknown model'} on {gpu or device or 'an unknown device'}" if mismatch else None
+    return predict_throughput(p, rows, latent), caveat

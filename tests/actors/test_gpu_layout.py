@@ -18,12 +18,12 @@ BUNDLE_ROLE = {"stage": "stage", "router": "router", "shard": "expert_shard", "v
 
 
 @pytest.mark.parametrize("name, flags", [
-    ("k3", ["--device", "h200", "--context-len", "128k", "--concurrency", "8"]),
-    ("k3", ["--device", "b200", "--context-len", "32k", "--pipeline", "4", "--expert-parallel", "4"]),
-    ("k3-tiny", ["--device", "cpu", "--device-memory-gib", "8", "--pipeline", "3", "--expert-parallel", "2"]),
+    ("k3", ["--device-type", "h200", "--context-len", "128k", "--max-num-seqs", "8"]),
+    ("k3", ["--device-type", "b200", "--context-len", "32k", "--pipeline", "4", "--expert-parallel", "4"]),
+    ("k3-tiny", ["--device-type", "cpu", "--device-memory-gib", "8", "--pipeline", "3", "--expert-parallel", "2"]),
 ])
 def test_plan_layouts_are_the_actors_serve_places(capsys, name, flags):
-    assert cli_main(["plan", "--preset", name, *flags, "--json"]) == 0
+    assert cli_main(["plan", "--model", name, *flags, "--format", "json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     args = ServeArgs.model_validate({"parallel": summary["serve_parallel"]})
     assert args.distributed
@@ -36,7 +36,7 @@ def test_plan_layouts_are_the_actors_serve_places(capsys, name, flags):
 
 
 def test_a_one_device_plan_is_one_undistributed_replica(capsys):
-    assert cli_main(["plan", "--preset", "k3-tiny", "--device", "h200", "--json"]) == 0
+    assert cli_main(["plan", "--model", "k3-tiny", "--device-type", "h200", "--format", "json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     args = ServeArgs.model_validate({"parallel": summary["serve_parallel"]})
     assert not args.distributed and args.parallel.replica_gpus == summary["devices"] == 1

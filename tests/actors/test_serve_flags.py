@@ -4,6 +4,7 @@ in its nested field, no flag gives the defaults, and the YAML holds every settin
 the same. (The committed cluster/ configs against their commands: tests/test_cluster_files.py.)"""
 
 import argparse
+import re
 import subprocess
 import sys
 import typing
@@ -70,7 +71,11 @@ def test_every_field_has_exactly_one_flag_with_its_description_and_default():
     for action in actions:
         _, info = table[action.dest]
         assert action.option_strings[0] == flag(action.dest) and action.default is None
-        assert action.help == f"{info.description} (default: {scalar(info.default)})".replace("%", "%%")
+        if info.default is not None:
+            assert action.help == f"{info.description} (default: {scalar(info.default)})".replace("%", "%%")
+        else:  # an unset default shows what it means, the description's "null = X"
+            meaning = re.search(r"null = ([^;]*)", info.description).group(1)
+            assert action.help.endswith(f"(default: {meaning})".replace("%", "%%")) and "null" not in action.help
     sections = [g.title for g in parser._action_groups if any(a.dest in table for a in g._group_actions)]
     assert sections == GROUPS
     for group in sections:

@@ -48,7 +48,7 @@ def test_niah_with_the_right_oracle_writes_every_output(tmp_path, capsys):
 
 def test_ruler_suite_with_the_wrong_oracle_scores_zero(tmp_path):
     out = tmp_path / "ruler"
-    assert _main("ruler", "--oracle", "wrong", "--task", "niah_single_1,vt", "--task", "fwe", "--lengths", "3000",
+    assert _main("ruler", "--oracle", "wrong", "--tasks", "niah_single_1,vt", "--tasks", "fwe", "--lengths", "3000",
                  "--out", str(out), "--no-progress") == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accuracy"] == 0.0 and set(summary["tasks"]) == {"niah_single_1", "vt", "fwe"}
@@ -71,11 +71,11 @@ def test_cwe_below_its_minimum_length_fails_before_any_cell(tmp_path):
     """The minimum is known up front (100 list items in the target's tokens): no cell runs, nothing is written."""
     out = tmp_path / "cwe"
     with pytest.raises(ValueError, match=r"task cwe needs --lengths of at least (\d+) tokens .* got 1024") as error:
-        _main("ruler", "--oracle", "right", "--task", "cwe,niah_single_1", "--lengths", "1k,4k", "--out", str(out),
+        _main("ruler", "--oracle", "right", "--tasks", "cwe,niah_single_1", "--lengths", "1k,4k", "--out", str(out),
               "--no-progress")
     assert not (out / "results.jsonl").exists()
     minimum = int(re.search(r"at least (\d+)", str(error.value)).group(1))
     assert 1024 < minimum < 4096
-    assert _main("ruler", "--oracle", "right", "--task", "cwe", "--lengths", str(minimum), "--out", str(out),
+    assert _main("ruler", "--oracle", "right", "--tasks", "cwe", "--lengths", str(minimum), "--out", str(out),
                  "--no-progress") == 0
     assert json.loads((out / "summary.json").read_text())["accuracy"] == 1.0

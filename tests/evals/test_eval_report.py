@@ -4,11 +4,12 @@ import json
 
 from PIL import Image
 
-from k3ray.evals import report
+from k3ray.evals import heatmap, report
 from k3ray.evals.heatmap import length_axis_label, length_label
 from k3ray.evals.tasks import TASKS
 
-CONFIG = {"tasks": ["niah", "vt"], "lengths": [1024, 1 << 20], "seed": 0, "target": "k3@http://127.0.0.1:8000"}
+CONFIG = {"tasks": ["niah", "vt"], "lengths": [1024, 1 << 20], "seed": 0, "samples": 10,
+          "target": "k3@http://127.0.0.1:8000"}
 
 
 def _record(task, length, depth, score, error=None):
@@ -64,6 +65,13 @@ def test_random_depth_runs_plot_by_length(tmp_path):
     report.write_report(tmp_path, summary)
     assert (tmp_path / "heatmap.png").stat().st_size > 1000
     assert "Accuracy (%) by depth" not in (tmp_path / "report.md").read_text()
+
+
+def test_the_heatmap_is_titled_with_task_model_and_samples_per_cell():
+    summary = report.summarize(RECORDS, [TASKS["niah"], TASKS["vt"]], CONFIG)
+    assert heatmap.title(summary) == "niah, vt on k3@http://127.0.0.1:8000\n10 samples per cell, 70.0% overall"
+    one = report.summarize(RECORDS[:1], [TASKS["niah"]], {"target": "engine:k3-tiny-niah", "samples": 1})
+    assert heatmap.title(one) == "niah on engine:k3-tiny-niah\n1 sample per cell, 100.0% overall"
 
 
 def test_length_labels():

@@ -47,7 +47,7 @@ def by_doc(samples: list[dict]) -> dict[int, dict]:
 def served(server, tmp_path_factory):
     out = tmp_path_factory.mktemp("lm_eval_served")
     rc = k3ray_main(["eval", "lm-eval", "--endpoint", server, "--tasks", ",".join(TASKS), "--limit", str(LIMIT),
-                     "--out", str(out), "--log-samples", "--num-concurrent", "2", "--metadata", json.dumps(METADATA)])
+                     "--out", str(out), "--log-samples", "--concurrency", "2", "--metadata", json.dumps(METADATA)])
     (path,) = out.glob("*/results_*.json")
     samples = {}
     for task in TASKS:

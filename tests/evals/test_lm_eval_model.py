@@ -111,7 +111,7 @@ def test_bad_arguments_are_refused(tiny_checkpoint, results):
 def test_the_cli_runs_a_checkpoint_in_process(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "lm_eval"
     assert k3ray_main(["eval", "lm-eval", "--model", tiny_checkpoint, "--tasks", "k3ray_mc", "--limit", "2",
-                       "--max-length", "256", "--out", str(out)]) == 0
+                       "--max-model-len", "256", "--out", str(out)]) == 0
     (path,) = out.glob("*/results_*.json")
     saved = json.loads(path.read_text())
     assert "acc,none" in saved["results"]["k3ray_mc"] and saved["config"]["model"] == "k3ray"

@@ -13,6 +13,8 @@ ray = pytest.importorskip("ray")
 
 from k3ray.cli import main as k3ray_main  # noqa: E402
 from k3ray.evals.engine_target import EngineTarget  # noqa: E402
+from k3ray.evals import progress  # noqa: E402
+from k3ray.evals.openai_target import OpenAITarget  # noqa: E402
 from k3ray.evals.oracle import OracleTarget  # noqa: E402
 from k3ray.evals.runner import RunConfig, run_eval  # noqa: E402
 from k3ray.evals.tasks import get_task  # noqa: E402
@@ -63,6 +65,23 @@ def test_a_niah_grid_runs_through_the_live_serve_app(endpoint_run):
     got = records(out)
     assert sorted(r["prompt_tokens"] for r in got.values()) == sorted(LENGTHS * 3)
     assert all(r["error"] is None and r["prediction"] for r in got.values())
+
+
+def test_progress_against_the_endpoint_follows_the_servers_token_counters(server, tmp_path, monkeypatch):
+    """The server's /metrics counts prompt (prefill chunks as they run), prefix-hit and generated
+    tokens; the eval's bar follows them in tokens and ends at the grid's total."""
+    target = OpenAITarget(server, MODEL)
+    prompt = "The needle is somewhere in here. " * 40
+    before = target.tokens_computed()
+    assert before is not None
+    target.complete(prompt, 4)
+    assert target.tokens_computed() - before >= len(target.tokenize(prompt))
+    monkeypatch.setattr(progress, "POLL_S", 0.01)
+    updates = []
+    config = RunConfig(tasks=("niah",), lengths=(1024,), depths=(25.0,), concurrency=1, executor="threads")
+    run_eval(config, target, tmp_path, progress=False, on_progress=lambda *u: updates.append(u))
+    total = 1024 + get_task("niah").max_tokens
+    assert updates[0] == (0, total, 0) and updates[-1] == (total, total, 1)
 
 
 def test_engine_target_gives_the_endpoints_records(endpoint_run, tiny_checkpoint, tmp_path):

@@ -66,7 +66,7 @@ def test_the_ramp_flags_parse_and_lengths_default_per_workload():
 def test_a_short_ramp_runs_both_policies(tmp_path):
     """A whole run, shortened: both policies' apps start, take the ramp and report the keys."""
     out = tmp_path / "ramp.json"
-    subprocess.run([sys.executable, "-m", "k3ray.cli", "bench", "serve", "--workload", "ramp", "--input-len", "512",
+    subprocess.run([sys.executable, "-m", "k3ray.cli", "bench", "serve", "--workload", "ramp", "--prompt-tokens", "512",
                     "--base-rate", "1", "--peak-rate", "4", "--warm-s", "2", "--ramp-s", "3", "--hold-s", "5",
                     "--json", str(out)], check=True, cwd=tmp_path, timeout=850)
     result = json.loads(out.read_text())

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(600)
 def test_bench_soak_reports_errors_by_type_and_memory_over_time(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "soak.json"
-    argv = ["bench", "soak", "--requests", "24", "--concurrency", "6", "--max-tokens", "4", "--samples", "4",
+    argv = ["bench", "soak", "--num-prompts", "24", "--concurrency", "6", "--max-tokens", "4", "--memory-samples", "4",
             "--json", str(out)]
     # its own process (a private Ray + Serve), off the repository root
     run = subprocess.run([sys.executable, "-m", "k3ray.cli", *argv], capture_output=True, text=True, timeout=540,

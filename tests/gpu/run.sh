@@ -49,7 +49,7 @@ step install 60 "$py" -m pip install -q --no-index --no-deps --target "$site" "$
 k3ray=("$py" -m k3ray.cli)
 step pytest_gpu 200 "$py" -m pytest -m gpu tests/kernels tests/k3ray tests/gpu -q -p no:cacheprovider \
   --continue-on-collection-errors --junitxml "$out/pytest.xml"
-step bench_layer 110 "${k3ray[@]}" bench layer --preset k3 --device cuda --json "$out/bench_layer.json"
+step bench_layer 110 "${k3ray[@]}" bench layer --model k3 --device cuda --json "$out/bench_layer.json"
 step bench_engine 70 "${k3ray[@]}" bench engine --device cuda --skip long --json "$out/bench_engine.json"
 compare=()
 "${k3ray[@]}" bench kernels --help 2>/dev/null | grep -q -- "--compare " && compare=(--compare)

@@ -18,7 +18,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_compare_rows_on_cpu():
-    result = kernels.run(_args("--device", "cpu", "--quick", "--tiny", "--compare", "--repeats", "1",
+    result = kernels.run(_args("--device", "cpu", "--quick", "--model", "k3-tiny", "--compare", "--repeats", "1",
                                "--threads", "1"))
     rows = {row["op"]: row for row in result["ops"]}
     assert {"kda_chunk_prefill", "kda_decode", "conv_prefill", "mla_decode", "mla_prefill",
@@ -39,7 +39,7 @@ def test_compare_rows_on_cpu():
 
 
 def test_without_compare_rows_keep_their_keys():
-    result = kernels.run(_args("--device", "cpu", "--quick", "--tiny", "--ops", "conv", "--repeats", "1"))
+    result = kernels.run(_args("--device", "cpu", "--quick", "--model", "k3-tiny", "--ops", "conv", "--repeats", "1"))
     assert [set(row) for row in result["ops"]] == [
         {"op", "shape", "device", "ms", "tb_s", "tflops", "roofline_frac"}]
     assert result["kda_prefill_vs_naive_chunk"] is None

@@ -14,8 +14,8 @@ ROW_KEYS = {"kind", "phase", "batch", "context", "tokens", "ms", "tok_s", "bytes
 
 def test_bench_layer_writes_a_row_per_kind_and_phase(tmp_path):
     out = tmp_path / "layer.json"
-    argv = ["bench", "layer", "--device", "cpu", "--prefill-tokens", "32", "--decode-batch", "1", "3",
-            "--context", "80", "--repeats", "1", "--json", str(out)]
+    argv = ["bench", "layer", "--device", "cpu", "--prompt-tokens", "32", "--decode-batch", "1", "3",
+            "--context-len", "80", "--repeats", "1", "--json", str(out)]
     assert cli_main(argv) == 0
     result = json.loads(out.read_text())
     assert result["config"]["preset"] == "k3-tiny" and result["machine"]["torch"] == torch.__version__

@@ -47,5 +47,5 @@ def test_unknown_command_is_a_usage_error(capsys):
 
 
 def test_value_errors_name_the_command(capsys):
-    assert main(["plan", "--preset", "k3", "--device", "h200", "--pipeline", "1", "--expert-parallel", "1"]) == 2
+    assert main(["plan", "--model", "k3", "--device-type", "h200", "--pipeline", "1", "--expert-parallel", "1"]) == 2
     assert capsys.readouterr().err.startswith("k3ray plan: error: ")

@@ -1,40 +1,130 @@
-"""One CLI vocabulary: every flag of every command has help, `--help` is fast and imports no
-torch, `--model` is the checkpoint and `--served-model-name` the API name wherever both exist,
-`--threads` everywhere, and clients read $K3RAY_API_KEY with $OPENAI_API_KEY as fallback."""
+"""One CLI vocabulary: every parser of `k3ray` (walked recursively) uses only the flags of
+docs/cli.md, each in the commands that table names; every flag has help that shows its default;
+old spellings are hidden aliases that warn; `--help` is fast and imports no torch; `--model` is
+the checkpoint and `--served-model-name` the API name wherever both exist; `--threads` everywhere;
+clients read $K3RAY_API_KEY with $OPENAI_API_KEY as fallback."""
 
 import argparse
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from k3ray import threads
-from k3ray.cli import build_parser, registry
+from k3ray.cli import build_parser
 
-EVAL_SUITES = ("niah", "ruler", "mm", "lm-eval")
+VOCABULARY = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 NO_HELP_NEEDED = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
 
 
-def command_paths() -> list[tuple[str, ...]]:
-    paths = [(name,) for name in registry("k3ray.commands") if name not in ("bench", "eval")]
-    paths += [("bench", name) for name in registry("k3ray.benchmarks")]
-    return paths + [("eval", suite) for suite in EVAL_SUITES]
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
 
 
 def leaf_parser(path: tuple[str, ...]) -> argparse.ArgumentParser:
-    parser = build_parser(list(path))
+    parser = build_parser(list(path))  # a command's flags are added only when argv selects it
     for word in path:
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        parser = sub.choices[word]
+        parser = _subparsers(parser).choices[word]
     return parser
 
 
-@pytest.mark.parametrize("path", command_paths(), ids=" ".join)
-def test_every_flag_has_help(path):
+def walk(path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """(command path, parser) of every parser of `k3ray`, the root included, depth first."""
     parser = leaf_parser(path)
-    missing = [a.option_strings or a.dest for a in parser._actions if not isinstance(a, NO_HELP_NEEDED) and not a.help]
+    found = [(path, parser)]
+    sub = _subparsers(parser)
+    for name in sub.choices if sub else ():
+        found += walk((*path, name))
+    return found
+
+
+PARSERS = walk()
+LEAVES = [path for path, parser in PARSERS if _subparsers(parser) is None]
+
+
+def flags(parser: argparse.ArgumentParser, hidden: bool) -> dict[str, argparse.Action]:
+    return {flag: a for a in parser._actions if not isinstance(a, NO_HELP_NEEDED)
+            for flag in a.option_strings if (a.help == argparse.SUPPRESS) == hidden}
+
+
+def vocabulary(section: str) -> dict[str, tuple[str, set[str]]]:
+    """A docs/cli.md table: first column's flag -> (second column, the commands of the third)."""
+    text = VOCABULARY.read_text().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(--[a-z0-9-]+)` \| (.+) \| ([a-z, -]+) \|$", text, re.M)
+    assert rows, f"no rows in section {section!r} of {VOCABULARY}"
+    return {flag: (meaning, {c.strip() for c in commands.split(",")}) for flag, meaning, commands in rows}
+
+
+def used(hidden: bool) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for path, parser in PARSERS:
+        for flag in flags(parser, hidden):
+            out.setdefault(flag, set()).add(" ".join(path))
+    return out
+
+
+def test_every_flag_is_in_the_vocabulary_with_the_commands_using_it():
+    table = {**vocabulary("Flags"), **vocabulary("Serve settings")}
+    usage = used(hidden=False)
+    outside = sorted(set(usage) - set(table))
+    assert not outside, f"flags outside docs/cli.md: {outside} (reuse a row's flag or add a row)"
+    stale = sorted(set(table) - set(usage))
+    assert not stale, f"docs/cli.md lists flags no command has: {stale}"
+    moved = {flag: (sorted(usage[flag]), sorted(table[flag][1])) for flag in usage if usage[flag] != table[flag][1]}
+    assert not moved, f"docs/cli.md's commands column is wrong for (used, listed): {moved}"
+
+
+def test_old_spellings_are_hidden_aliases_that_warn(capsys):
+    table = vocabulary("Old spellings")
+    usage = used(hidden=True)
+    assert set(usage) == set(table), f"hidden flags {sorted(usage)} vs docs/cli.md's old spellings {sorted(table)}"
+    for path, parser in PARSERS:
+        visible = flags(parser, hidden=False)
+        for old, alias in flags(parser, hidden=True).items():
+            new = alias.deprecated_for.split()[0]
+            assert table[old][0].strip("`") == alias.deprecated_for, old
+            assert visible[new].dest == alias.dest, f"k3ray {' '.join(path)}: {old} does not set {new}'s value"
+    args = build_parser(["bench", "model"]).parse_args(["bench", "model", "--preset", "k3-micro"])
+    assert args.model == "k3-micro" and "--preset is deprecated; use --model" in capsys.readouterr().err
+    args = build_parser(["bench", "kernels"]).parse_args(["bench", "kernels", "--tiny"])
+    assert args.model == "k3-tiny"
+
+
+def _shown_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    return parser._get_formatter()._expand_help(action)
+
+
+@pytest.mark.parametrize("path", LEAVES, ids=" ".join)
+def test_every_flag_has_help_that_shows_its_default(path):
+    parser = leaf_parser(path)
+    required_groups = [g for g in parser._mutually_exclusive_groups if g.required]
+    missing, no_default = [], []
+    for action in parser._actions:
+        if isinstance(action, NO_HELP_NEEDED) or action.help == argparse.SUPPRESS or not action.option_strings:
+            continue
+        if not action.help:
+            missing.append(action.option_strings[0])
+            continue
+        chosen_by_hand = action.required or action.nargs == 0 or any(action in g._group_actions for g in required_groups)
+        has_default = action.default not in (None, False, [], "")
+        shown = _shown_help(parser, action)
+        if (has_default or not chosen_by_hand) and "default" not in shown or re.search(r"default: (null|None)\b", shown):
+            no_default.append(action.option_strings[0])  # an unset default reads as what it means
     assert not missing, f"k3ray {' '.join(path)}: flags without help: {missing}"
+    assert not no_default, f"k3ray {' '.join(path)}: help that does not show the default: {no_default}"
+
+
+@pytest.mark.parametrize("path", LEAVES, ids=" ".join)
+def test_json_is_a_file_out_a_folder_and_no_positionals(path):
+    parser = leaf_parser(path)
+    named = flags(parser, hidden=False)
+    assert "--json" not in named or named["--json"].metavar == "PATH" and named["--json"].nargs is None
+    assert "--out" not in named or named["--out"].metavar == "DIR"
+    shown = [a.dest for a in parser._actions if not a.option_strings and a.help != argparse.SUPPRESS]
+    assert not shown, f"k3ray {' '.join(path)}: positional arguments {shown}; the vocabulary is flags"
 
 
 HELP_PROBE = """
@@ -58,7 +148,7 @@ def help_run(path, tmp_path) -> dict:
     return json.loads(run.stderr.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("path", command_paths(), ids=" ".join)
+@pytest.mark.parametrize("path", LEAVES, ids=" ".join)
 def test_help_is_fast_and_imports_no_torch(path, tmp_path):
     probe = help_run(path, tmp_path)
     assert probe["heavy"] == [], f"k3ray {' '.join(path)} --help imports {probe['heavy']}"
@@ -79,11 +169,12 @@ def test_model_is_the_checkpoint_and_served_model_name_the_api_name(path):
     assert served.served_model_name == "k3" and served.model is None
 
 
-def test_threads_everywhere_and_no_torch_threads():
-    for path in [("generate",), ("serve",), ("eval", "niah"), ("bench", "serve"), ("bench", "model"),
-                 ("bench", "engine"), ("bench", "kernels"), ("bench", "layer")]:
-        flags = {flag for action in leaf_parser(path)._actions for flag in action.option_strings}
-        assert "--threads" in flags and "--torch-threads" not in flags, path
+def test_threads_wherever_torch_runs_and_no_torch_threads():
+    runs_no_torch = {("info",), ("plan",)}  # meta-device sums: no tensor work
+    for path in LEAVES:
+        named = flags(leaf_parser(path), hidden=False)
+        assert "--torch-threads" not in named, path
+        assert ("--threads" in named) != (path in runs_no_torch), path
 
 
 def test_thread_default_is_one_on_small_machines(monkeypatch):

@@ -34,7 +34,7 @@ def test_k3_sequence_memory():
 
 
 def test_info_cli_json(capsys):
-    assert cli_main(["info", "--preset", "k3", "--context-len", "1m", "--json"]) == 0
+    assert cli_main(["info", "--model", "k3", "--context-len", "1m", "--format", "json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["total_params"] == summarize(k3_config()).total
     assert report["layers"] == {"total": 93, "kda": 69, "mla": 24}
@@ -64,7 +64,7 @@ def test_entry_point_loads_any_k3_shaped_checkpoint(tmp_path):
     want = K3(ref.eval()).logits(ids)
     assert torch.equal(k3.logits(ids), want)
     assert k3.tokenizer is not None and k3.tokenizer.decode([104, 105]) == "hi"
-    assert cli_main(["info", str(tmp_path)]) == 0
+    assert cli_main(["info", "--model", str(tmp_path)]) == 0
 
 
 def test_generate_cli_on_the_default_checkpoint(tmp_path, monkeypatch, capsys):

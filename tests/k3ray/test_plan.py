@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from k3ray.capacity import GIB, PlanRequest, build_plan, layer_kind, plan, predict_throughput, problems
+from k3ray.capacity import (GIB, PlanRequest, build_plan, latent_bytes_per_token, layer_kind, plan, predict_throughput,
+                            problems)
 from k3ray.cli import main as cli_main
 from k3ray.config import k3_config, k3_tiny_config
 from k3ray.info import summarize
@@ -58,18 +59,25 @@ def test_tiny_fits_one_cpu_node_and_honours_fixed_sizes():
 
 
 def test_plan_cli(capsys):
-    assert cli_main(["plan", "--preset", "k3", "--device", "h200", "--context-len", "128k"]) == 0
+    assert cli_main(["plan", "--model", "k3", "--device-type", "h200", "--context-len", "128k"]) == 0
     assert "expert_shard" in capsys.readouterr().out
-    assert cli_main(["plan", "--preset", "k3", "--device", "h200", "--pipeline", "1", "--expert-parallel", "1"]) == 2
+    assert cli_main(["plan", "--model", "k3", "--device-type", "h200", "--pipeline", "1", "--expert-parallel", "1"]) == 2
     assert "does not fit" in capsys.readouterr().err
 
 
-def _layer_costs(decode_ms: dict[str, dict[int, float]], prefill_ms: dict[str, float], tokens: int = 100) -> list[dict]:
-    rows = [{"kind": k, "phase": "prefill", "batch": 1, "context": tokens, "tokens": tokens, "ms": ms}
+def _layer_costs(decode_ms: dict[str, dict[int, float]], prefill_ms: dict[str, float], tokens: int = 100,
+                 context: int = 4096) -> list[dict]:
+    rows = [{"kind": k, "phase": "prefill", "batch": 1, "context": tokens, "tokens": tokens, "ms": ms, "bytes": 10**6}
             for k, ms in prefill_ms.items()]
-    rows += [{"kind": k, "phase": "decode", "batch": b, "context": 4096, "tokens": b, "ms": ms}
+    rows += [{"kind": k, "phase": "decode", "batch": b, "context": context, "tokens": b, "ms": ms, "bytes": 10**6}
              for k, by_batch in decode_ms.items() for b, ms in by_batch.items()]
     return rows
+
+
+def _costs_file(path, rows, preset="k3-tiny", device="cpu", gpu=None):
+    path.write_text(json.dumps({"layers": rows, "machine": {"gpu": gpu},
+                                "config": {"preset": preset, "device": device, "dtype": "bfloat16"}}))
+    return str(path)
 
 
 def test_layer_costs_predict_tokens_per_second_per_device():
@@ -81,6 +89,7 @@ def test_layer_costs_predict_tokens_per_second_per_device():
                         {"kda_dense": 10.0, "kda_moe": 20.0, "mla_moe": 30.0})
     p = plan(PlanRequest(c, "CPU", 4096, 4, pipeline=3, expert_parallel=2, device_memory_gib=8))
     pred = predict_throughput(p, rows)
+    assert pred.measured_context == pred.context_len == 4096
     # batch 4 lies 3/7 of the way from 1 to 8
     step = sum({"kda_dense": 1 + 3 / 7, "kda_moe": 2 + 6 / 7, "mla_moe": 3 + 6 / 7}[k] for k in kinds)
     assert pred.decode_step_ms == pytest.approx(step)
@@ -100,15 +109,15 @@ def test_plan_cli_prints_the_prediction_beside_the_memory_plan(tmp_path, capsys)
     costs = tmp_path / "layers.json"
     rows = _layer_costs({k: {1: 1.0, 64: 2.0} for k in ("kda_dense", "kda_moe", "mla_moe")},
                         {k: 5.0 for k in ("kda_dense", "kda_moe", "mla_moe")})
-    costs.write_text(json.dumps({"layers": rows, "machine": {}}))
-    argv = ["plan", "--preset", "k3-tiny", "--device", "cpu", "--device-memory-gib", "8", "--pipeline", "3",
-            "--expert-parallel", "2", "--concurrency", "64", "--layer-costs", str(costs)]
+    _costs_file(costs, rows)
+    argv = ["plan", "--model", "k3-tiny", "--device-type", "cpu", "--device-memory-gib", "8", "--pipeline", "3",
+            "--expert-parallel", "2", "--max-num-seqs", "64", "--context-len", "4096", "--layer-costs", str(costs)]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
     assert "expert_shard" in out and "k3ray serve --pipeline 3 --expert-parallel 2 --stage-gpus 0 --shard-gpus 0" in out
     # 9 layers x 2 ms a step of 64 sequences, on 3 stages + 3 x 2 shards
     assert "decode 395.1 tok/s per device (3,555.6 per replica, 18.0 ms a step of 64)" in out
-    assert cli_main([*argv, "--json"]) == 0
+    assert cli_main([*argv, "--format", "json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["prediction"]["decode_step_ms"] == 18.0 and summary["prediction"]["batch"] == 64
     costs.write_text(json.dumps({"rows": rows}))
@@ -139,3 +148,42 @@ def test_expert_shards_make_room_for_the_routers_replicas():
     assert all(a.replica_bytes == 0 for a in whole.actors)
     with pytest.raises(ValueError, match="redundant_experts"):
         plan(dataclasses.replace(req, redundant_experts=-1))
+
+
+def test_layer_costs_of_another_model_or_device_are_refused_unless_labelled_an_extrapolation(tmp_path, capsys):
+    """The issue's case: k3-tiny CPU timings at 512 tokens applied to K3 on H200 at 128K."""
+    rows = _layer_costs({k: {1: 1.0, 8: 2.0} for k in ("kda_dense", "kda_moe", "mla_moe")},
+                        {k: 5.0 for k in ("kda_dense", "kda_moe", "mla_moe")}, context=512)
+    costs = _costs_file(tmp_path / "tiny_cpu.json", rows)
+    argv = ["plan", "--model", "k3", "--device-type", "H200", "--context-len", "128k", "--layer-costs", costs]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "measured for model k3-tiny, not k3; device cpu, not H200" in err and "--extrapolate" in err
+    assert cli_main([*argv, "--extrapolate"]) == 0
+    out = capsys.readouterr().out
+    assert ("EXTRAPOLATION from costs measured for k3-tiny on cpu" in out
+            and "measured at a 512-token context, scaled to 131,072" in out)
+    assert cli_main([*argv, "--extrapolate", "--format", "json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["prediction"]["extrapolated_from"] == "k3-tiny on cpu"
+    assert summary["prediction"]["context_len"] == 131072 and summary["prediction"]["measured_context"] == 512
+    # the plan's own model on its own device type: no label
+    _costs_file(tmp_path / "k3_h200.json", rows, preset="k3", device="cuda:0", gpu="NVIDIA H200")
+    assert cli_main([*argv[:-1], str(tmp_path / "k3_h200.json")]) == 0
+    out = capsys.readouterr().out
+    assert "EXTRAPOLATION" not in out and "predicted from" in out
+    _costs_file(tmp_path / "k3_h100.json", rows, preset="k3", device="cuda:0", gpu="NVIDIA H100 80GB HBM3")
+    assert cli_main([*argv[:-1], str(tmp_path / "k3_h100.json")]) == 2
+    assert "device NVIDIA H100 80GB HBM3, not H200" in capsys.readouterr().err
+
+
+def test_mla_decode_costs_scale_to_the_plans_context_by_the_latent_bytes_read():
+    c = k3_tiny_config()
+    kinds = [layer_kind(c, i) for i in range(c.num_layers)]
+    rows = _layer_costs({k: {1: 1.0, 8: 2.0} for k in ("kda_dense", "kda_moe", "mla_moe")},
+                        {k: 5.0 for k in ("kda_dense", "kda_moe", "mla_moe")}, context=512)
+    p = plan(PlanRequest(c, "CPU", 512 + 1000, 8, pipeline=1, expert_parallel=1, device_memory_gib=8))
+    pred = predict_throughput(p, rows)
+    mla = 2.0 * (10**6 + 8 * 1000 * latent_bytes_per_token(c)) / 10**6  # batch 8 reads 1,000 more tokens each
+    assert pred.decode_step_ms == pytest.approx(2.0 * (len(kinds) - kinds.count("mla_moe")) + mla * kinds.count("mla_moe"))
+    assert pred.measured_context == 512 and pred.context_len == 1512
