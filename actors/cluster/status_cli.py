@@ -19,7 +19,7 @@ COLUMNS = ("app", "replica", "actor", "node", "device", "state")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="auto", help="the Ray cluster's GCS address (default: auto, the running one)")
     p.add_argument("--app", default=None, help="only this Serve app's replicas (default: every app's K3Server)")
-    p.add_argument("--json", metavar="PATH", help="also write the rows to PATH as JSON")
+    p.add_argument("--json", metavar="PATH", help="also write the rows to PATH as JSON (default: no file)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -170,7 +170,8 @@ def test_model_is_the_checkpoint_and_served_model_name_the_api_name(path):
 
 
 def test_threads_wherever_torch_runs_and_no_torch_threads():
-    runs_no_torch = {("info",), ("plan",)}  # meta-device sums: no tensor work
+    # meta-device sums (info, plan) and reads of Ray's state (cluster, status): no tensor work
+    runs_no_torch = {("info",), ("plan",), ("cluster", "env"), ("cluster", "check"), ("status",)}
     for path in LEAVES:
         named = flags(leaf_parser(path), hidden=False)
         assert "--torch-threads" not in named, path
