@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 import psutil
 
 from k3ray.engine.config import EngineConfig
-from k3ray.engine.engine_core_proc import recv, send
+from k3ray.engine.pipe import recv, send
 from k3ray.sampling_params import StructuredOutputsParams
 
 POLL_S = 0.02  # how often a compile's time and memory are checked

@@ -17,7 +17,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from k3ray.engine.engine_core_proc import recv, send
+from k3ray.engine.pipe import recv, send
 
 PARENT_CHECK_S = 1.0
 
