@@ -206,7 +206,7 @@ class ServeArgs(Settings):
 
     def resolved(self) -> ServeArgs:
         """The checkpoint path and model name filled in (the default checkpoint is written on first use)."""
-        from k3ray.checkpoints import checkpoint_dir
+        from k3ray.default_model import checkpoint_dir
 
         path = os.path.abspath(os.path.expanduser(checkpoint_dir(self.model.model)))
         name = self.server.served_model_name or os.path.basename(path.rstrip("/"))

@@ -1,13 +1,19 @@
 """The import rules of the design (DESIGN.md, Layout) as a test: the core never imports ray,
 k3ray.actors or k3ray.evals; kernels import nothing of the project outside k3ray.kernels; actors
-never import evals. Every import statement counts, lazy ones inside functions too, and so does a
-string that names a module: a dotted one anywhere ("k3ray.actors.serve_cli", "mod:attr"), a bare one
-given to an import call (importlib.import_module("ray"), __import__("ray")); a bare "ray" elsewhere
-(a dict key, a distribution name for a version lookup) imports nothing and does not count."""
+never import evals; nothing shipped imports the training program (training/k3ray_training, not in
+the wheel), which may import k3ray (it trains k3ray's model) but not Ray or the actors. Every import
+statement counts, lazy ones inside functions too, and so does a string that names a module: a dotted
+one anywhere ("k3ray.actors.serve_cli", "mod:attr"), a bare one given to an import call
+(importlib.import_module("ray"), __import__("ray")); a bare "ray" elsewhere (a dict key, a
+distribution name for a version lookup) imports nothing and does not count.
+
+And the modules of the core and the kernels import each other without a circle, lazy imports
+included (a function-level import may keep a heavy dependency out of startup, never hide a circle)."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import pathlib
 import re
 from dataclasses import dataclass
@@ -15,9 +21,13 @@ from dataclasses import dataclass
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# source folder -> the package it installs as (setuptools package-dir)
-PACKAGES = {"k3ray": "k3ray", "kernels": "k3ray.kernels", "actors": "k3ray.actors", "evals": "k3ray.evals"}
-MODULE_STRING = re.compile(r"^(?P<module>(ray|k3ray)(\.[A-Za-z_]\w*)*)(:[A-Za-z_]\w*)?$")
+# source folder -> the package it installs as (setuptools package-dir), and the training program
+# (imported from the checkout: training/ on sys.path)
+PACKAGES = {"k3ray": "k3ray", "kernels": "k3ray.kernels", "actors": "k3ray.actors", "evals": "k3ray.evals",
+            "training/k3ray_training": "k3ray_training"}
+SHIPPED = ("k3ray", "k3ray.kernels", "k3ray.actors", "k3ray.evals")
+TRAINING = "k3ray_training"
+MODULE_STRING = re.compile(r"^(?P<module>(ray|k3ray|k3ray_training)(\.[A-Za-z_]\w*)*)(:[A-Za-z_]\w*)?$")
 IMPORT_CALLS = {"import_module", "__import__", "find_spec", "import_string"}
 
 
@@ -29,9 +39,11 @@ class Rule:
 
 
 RULES = (
-    Rule("k3ray", forbidden=("ray", "k3ray.actors", "k3ray.evals")),
-    Rule("k3ray.kernels", forbidden=("k3ray",), allowed=("k3ray.kernels",)),
-    Rule("k3ray.actors", forbidden=("k3ray.evals",)),
+    Rule("k3ray", forbidden=("ray", "k3ray.actors", "k3ray.evals", TRAINING)),
+    Rule("k3ray.kernels", forbidden=("k3ray", TRAINING), allowed=("k3ray.kernels",)),
+    Rule("k3ray.actors", forbidden=("k3ray.evals", TRAINING)),
+    Rule("k3ray.evals", forbidden=(TRAINING,)),
+    Rule(TRAINING, forbidden=("ray", "k3ray.actors")),  # in-process training of k3ray's own model
 )
 
 
@@ -43,8 +55,8 @@ class Reference:
 
 
 def module_name(path: pathlib.Path) -> str:
-    rel = path.relative_to(ROOT)
-    parts = [PACKAGES[rel.parts[0]], *rel.parts[1:]]
+    folder = next(f for f in PACKAGES if path.is_relative_to(ROOT / f))
+    parts = [PACKAGES[folder], *path.relative_to(ROOT / folder).parts]
     parts[-1] = parts[-1].removesuffix(".py")
     if parts[-1] == "__init__":
         parts.pop()
@@ -100,7 +112,7 @@ def violations(rule: Rule, refs: list[Reference]) -> list[Reference]:
 
 def package_of(module: str) -> str:
     """The most specific ruled package a module belongs to (k3ray.kernels.x is a kernel, not core)."""
-    for name in ("k3ray.kernels", "k3ray.actors", "k3ray.evals"):
+    for name in ("k3ray.kernels", "k3ray.actors", "k3ray.evals", TRAINING):
         if _under(module, name):
             return name
     return "k3ray"
@@ -111,7 +123,51 @@ def source_files() -> list[pathlib.Path]:
     return [f for f in files if "__pycache__" not in f.parts]
 
 
-def test_the_tree_has_the_four_packages_and_no_links_inside_the_core():
+def lazy_names(tree: ast.Module) -> dict[str, str]:
+    """A package's names imported on first use (a PEP 562 `__getattr__` over a {name: submodule} dict)."""
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "__getattr__" for node in tree.body):
+        return {}
+    return {k.value: v.value for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+            for k, v in zip(node.value.keys, node.value.values)
+            if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and isinstance(v.value, str)}
+
+
+def executed_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: at any depth, but not under `if TYPE_CHECKING:`."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        todo += ast.iter_child_nodes(node)
+    return found
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the modules among `sources` (module -> (source, is_package)) that its imports load:
+    importing a.b.c loads a and a.b too, except the packages the importer is inside (already loading);
+    a name a package imports on first use loads the submodule that holds it."""
+    trees = {module: ast.parse(source) for module, (source, _) in sources.items()}
+    lazy = {module: lazy_names(tree) for module, tree in trees.items() if sources[module][1]}
+    graph = {}
+    for module, tree in trees.items():
+        targets = []
+        for node in executed_imports(tree):
+            if isinstance(node, ast.Import):
+                targets += [alias.name for alias in node.names]
+                continue
+            base = _resolve(node, module, sources[module][1])
+            targets.append(base)
+            targets += [f"{base}.{lazy.get(base, {}).get(alias.name, alias.name)}" for alias in node.names]
+        loaded = {".".join(t.split(".")[:i]) for t in targets for i in range(1, t.count(".") + 2)}
+        graph[module] = {m for m in loaded if m in sources and not _under(module, m)}
+    return graph
+
+
+def test_the_tree_has_the_five_packages_and_no_links_inside_the_core():
     assert len(source_files()) > 150
     assert not [p for p in (ROOT / "k3ray").iterdir() if p.is_symlink()], "k3ray/ holds a symlink: package-dir is the one mechanism"
 
@@ -126,6 +182,69 @@ def test_import_rules_hold(rule):
         refs = references(path.read_text(), module, path.name == "__init__.py")
         problems += [f"{path.relative_to(ROOT)}:{r.line}: {r.how} of {r.module}" for r in violations(rule, refs)]
     assert not problems, f"{rule.package} may not name {rule.forbidden}:\n" + "\n".join(problems)
+
+
+def part_of(module: str) -> str:
+    """The folder or module directly under the core or the kernels that a module belongs to."""
+    depth = 3 if _under(module, "k3ray.kernels") else 2
+    return ".".join(module.split(".")[:depth])
+
+
+def parts_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    parts: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        parts.setdefault(part_of(module), set()).update(part_of(m) for m in imported if part_of(m) != part_of(module))
+    return parts
+
+
+def circle(graph: dict[str, set[str]]) -> str | None:
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        return " -> ".join(e.args[1])
+    return None
+
+
+def test_the_core_and_the_kernels_import_without_a_circle():
+    """Between modules, and between the parts they make up (k3ray.weights, k3ray.default_model, ...)."""
+    sources = {module_name(path): (path.read_text(), path.name == "__init__.py") for path in source_files()
+               if package_of(module_name(path)) in ("k3ray", "k3ray.kernels")}
+    assert len(sources) > 100
+    graph = import_graph(sources)
+    assert circle(graph) is None, f"import circle between modules: {circle(graph)}"
+    parts = parts_graph(graph)
+    assert circle(parts) is None, f"import circle between parts of the core: {circle(parts)}"
+
+
+def test_the_circle_check_sees_lazy_imports_and_names_a_package_loads_on_first_use():
+    """The two circles it was written for: sampling_params -> (lazily) a module of the engine package,
+    whose __init__ loads structured_output -> sampling_params; and checkpoints -> (lazily) default_model
+    -> weights' save_checkpoint (loaded from a submodule on first use), whose package's loader ->
+    checkpoints: no module imports itself back, the parts do."""
+    sources = {
+        "k3ray.sampling_params": ("def validate():\n    from k3ray.engine.strict_json import checked_schema\n", False),
+        "k3ray.engine": ("from k3ray.engine.structured_output import compile\n", True),
+        "k3ray.engine.structured_output": ("from k3ray.sampling_params import SamplingParams\n", False),
+        "k3ray.engine.strict_json": ("import re\n", False),
+    }
+    assert import_graph(sources)["k3ray.sampling_params"] == {"k3ray.engine", "k3ray.engine.strict_json"}
+    assert circle(import_graph(sources))
+    weights = ('import importlib\n_HOME = {"save_checkpoint": "writer", "load_model": "loader"}\n'
+               'def __getattr__(name):\n    return importlib.import_module(f"{__name__}.{_HOME[name]}")\n')
+    sources = {
+        "k3ray.checkpoints": ("def checkpoint_dir():\n    from k3ray.default_model import default_dir\n", True),
+        "k3ray.default_model": ("from k3ray.weights import save_checkpoint\n", False),
+        "k3ray.weights": (weights, True),
+        "k3ray.weights.writer": ("import os\n", False),
+        "k3ray.weights.loader": ("from k3ray.checkpoints import checkpoint_dir\n", False),
+    }
+    assert import_graph(sources)["k3ray.default_model"] == {"k3ray.weights", "k3ray.weights.writer"}
+    assert circle(import_graph(sources)) is None
+    assert circle(parts_graph(import_graph(sources)))
+    typing_only = {"k3ray.a": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import k3ray.b\n", False),
+                   "k3ray.b": ("import k3ray.a\n", False)}
+    assert circle(import_graph(typing_only)) is None
+    assert part_of("k3ray.weights.loader") == "k3ray.weights" and part_of("k3ray.kernels.kda.naive") == "k3ray.kernels.kda"
 
 
 def test_the_checker_sees_lazy_relative_and_string_imports():
@@ -148,6 +267,13 @@ def test_the_checker_sees_lazy_relative_and_string_imports():
                              "k3ray.kernels.mla.dispatch")
     assert [r.module for r in violations(kernels, kernel_refs)] == ["k3ray.config", "k3ray.config.X"]
     assert not violations(RULES[2], references("import k3ray.engine\nimport ray\n", "k3ray.actors.stage"))
+    shipped_refs = references("def f():\n    from k3ray_training.model import niah_config\n"
+                              "x = 'k3ray_training.train:main'\n", "k3ray.evals.cli")
+    assert [r.module for r in violations(RULES[3], shipped_refs)] == [
+        "k3ray_training.model", "k3ray_training.model.niah_config", "k3ray_training.train"]
+    training_refs = references("from k3ray.models.k3 import K3ForCausalLM\nfrom k3ray.evals.tasks import get_task\n"
+                               "import ray\n", "k3ray_training.train")
+    assert [r.module for r in violations(RULES[4], training_refs)] == ["ray"]
 
 
 def test_module_names_follow_the_package_dir_mapping():
@@ -155,3 +281,5 @@ def test_module_names_follow_the_package_dir_mapping():
     assert module_name(ROOT / "actors" / "__init__.py") == "k3ray.actors"
     assert module_name(ROOT / "k3ray" / "engine" / "llm.py") == "k3ray.engine.llm"
     assert package_of("k3ray.engine.llm") == "k3ray" and package_of("k3ray.kernels.moe") == "k3ray.kernels"
+    assert module_name(ROOT / "training" / "k3ray_training" / "train.py") == "k3ray_training.train"
+    assert package_of("k3ray_training.model") == TRAINING

@@ -8,6 +8,8 @@ import os
 import pathlib
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -640,6 +642,17 @@ def test_logged_paths_are_relative_to_the_folder_holding_the_run():
     assert logged_args(args) == {"out": "C", "init_from": "../B_fork.pt", "export": None, "steps": 3}
     shipped = logged_args({"out": "runs/I", "init_from": "k3-tiny-niah", "export": "runs/I/export"})
     assert shipped == {"out": "I", "init_from": "k3-tiny-niah", "export": "I/export"}
+
+
+def test_the_documented_command_runs_from_the_training_folder():
+    """training/README.md's `cd training && python -m k3ray_training.train`: the program from this
+    folder, k3ray from the install (no PYTHONPATH)."""
+    training = pathlib.Path(__file__).resolve().parents[2] / "training"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-m", "k3ray_training.train", "--help"], cwd=training, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--export" in run.stdout and "--value-readout" in run.stdout
 
 
 def test_the_shipped_checkpoints_log_names_no_machine_path():
