@@ -20,6 +20,7 @@ from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
 from k3ray.threads import add_threads_argument
 
 from k3ray.device_flags import add_device_argument, add_dtype_argument, add_enforce_eager_argument
+from k3ray.evals.extra import require_eval_extra
 
 HELP = "long-context and multimodal evals against an endpoint or engine"
 SUITE_HELP = {
@@ -200,6 +201,7 @@ def lm_eval_main(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    require_eval_extra()
     if args.suite == "lm-eval":
         return lm_eval_main(args)
     from k3ray.evals.openai_target import EndpointError
