@@ -14,8 +14,8 @@ import os
 from importlib import resources
 
 SHIPPED = ("k3-tiny-niah",)
-# run from a k3ray checkout: the training program is not installed
-TRAIN_COMMAND = "PYTHONPATH=training python -m k3ray_training.train --out runs/k3-tiny-niah --export {path}"
+# run in a k3ray checkout's training/ folder: the program is not installed (its README has the stages)
+TRAIN_COMMAND = "cd training && python -m k3ray_training.train --out runs/k3-tiny-niah --export {path}"
 
 
 def shipped_checkpoint_dir(name: str) -> str:

@@ -1,4 +1,4 @@
-"""Train k3-tiny-niah: `PYTHONPATH=training python -m k3ray_training.train --out runs/niah [--export DIR]`.
+"""Train k3-tiny-niah: `cd training && python -m k3ray_training.train --out runs/niah [--export DIR]`.
 
 Seeded (the data of step s depends only on (seed, s)), resumable (rerun the same command: it
 continues from `OUT/train_state.pt`), logging loss and a held-out teacher-forced exact match to
