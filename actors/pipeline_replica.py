@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import ray
 import torch
+from ray.experimental.collective import create_collective_group, destroy_collective_group
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.placement_group import placement_group as ray_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -184,8 +185,6 @@ class RayModelRunner:
     def _connect_stages(self) -> None:
         """One collective group over the stages, with hop_transport's backend (an old one dropped
         first); a failure leaves the hops on host memory, logged."""
-        from ray.experimental.collective import create_collective_group, destroy_collective_group
-
         if self.stage_group is not None:
             old, self.stage_group = self.stage_group, None
             try:

@@ -21,6 +21,8 @@ import os
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from k3ray.actors.admission import Admission, AdmissionLimits
 from k3ray.actors.ingress_router import K3IngressRouter
@@ -133,8 +135,6 @@ class K3Server:
 def deployment_options(args: ServeArgs) -> dict:
     """Options for `K3Server.options(...)`; args must be resolved (a checkpoint path is needed to
     size a distributed replica's placement group)."""
-    from ray.serve.config import BackpressureConfig
-
     scaling, server, parallel = args.autoscaling, args.server, args.parallel
     options = {
         "autoscaling_config": serve_autoscaling_config(scaling),
@@ -148,8 +148,6 @@ def deployment_options(args: ServeArgs) -> dict:
     if server.max_queued_requests >= 0:
         options["backpressure_config"] = BackpressureConfig(status_code=429, retry_after_s=server.retry_after_s)
     if affinity_routing(args):
-        from ray.serve.config import RequestRouterConfig
-
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixAffinityRouter,
             request_router_kwargs={"max_imbalance": args.routing.affinity_max_imbalance,
@@ -175,6 +173,4 @@ def build_app(args: dict) -> Application:
 def affinity_routing(args: ServeArgs) -> bool:
     """Prefix-affinity routing applies: asked for, more than one replica possible, and HAProxy in
     front (Serve's proxy passes the replicas no request body to route on)."""
-    from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
-
     return args.routing.request_router == "affinity" and args.autoscaling.max_replicas > 1 and RAY_SERVE_ENABLE_HA_PROXY

@@ -22,6 +22,7 @@ HELP = "serve a checkpoint with an OpenAI-compatible API on Ray Serve"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # lazy: pydantic (the settings) stays out of `k3ray --help`
     from k3ray.actors.serve_flags import add_settings_flags
 
     p.add_argument("--print-config", action="store_true",
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def app_args(args: argparse.Namespace) -> dict:
     """The app's args of the flags given (nested groups), the API key from $K3RAY_API_KEY if no --api-key."""
+    # lazy: pydantic (the settings) stays out of `k3ray --help`
     from k3ray.actors.serve_flags import serve_args
 
     out = serve_args(args)
@@ -40,6 +42,7 @@ def app_args(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    # lazy: pydantic (the settings) stays out of `k3ray --help`
     from pydantic import ValidationError
 
     from k3ray.actors.serve_config import APP_NAME, DEFAULT_INGRESS, ServeArgs
@@ -51,10 +54,12 @@ def main(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise ValueError(str(e)) from None
     if args.print_config:  # the flags given only: $K3RAY_API_KEY stays out of a printed file
+        # lazy: pydantic (the settings) stays out of `k3ray --help`
         from k3ray.actors.serve_yaml import serve_config_yaml
 
         print(serve_config_yaml(settings, launch, command_flags(args)), end="")
         return 0
+    # lazy: pydantic (the settings) stays out of `k3ray --help`
     from k3ray.actors import serve_preflight
 
     # the port, the checkpoint and the layout are checked in seconds, before Ray and Serve start
@@ -65,6 +70,7 @@ def main(args: argparse.Namespace) -> int:
     if launch.address is None:
         serve_preflight.check_layout(resolved, serve_preflight.local_resources(launch.num_cpus))
 
+    # lazy: Ray loads after the preflight, never for --help or --print-config
     from k3ray.actors import serve_launch, serve_reaper
 
     # whatever this command starts carries its mark; the reaper stops it (or, on a joined cluster,
@@ -92,6 +98,7 @@ def main(args: argparse.Namespace) -> int:
         owns_ray = serve_launch.start_ray(launch.address, launch.ingress or DEFAULT_INGRESS, **init)
         on_stop_signals()  # Ray's driver set its own SIGTERM handler (it aborts the process)
         if launch.address is not None:
+            # lazy: Ray loads after the preflight, never for --help or --print-config
             import ray
 
             serve_preflight.check_layout(resolved, ray.cluster_resources())
@@ -122,6 +129,7 @@ def _stop_everything(owns_ray: bool, mark: str, reaper) -> bool:
     every process of this command still running; True if Serve and Ray stopped in time. The
     reaper is disarmed only then: otherwise it removes the runtime folder and, on a joined
     cluster, deletes the app again once this process has exited."""
+    # lazy: Ray loads after the preflight, never for --help or --print-config
     from k3ray.actors import serve_launch, serve_reaper
 
     recorded = serve_reaper.descendants(os.getpid())

@@ -17,6 +17,7 @@ from k3ray.actors.moe_dispatch_modes import (
     DEFAULT_REDUNDANT_EXPERTS,
     MoEDispatchMode,
 )
+from k3ray.default_model import checkpoint_dir
 
 APP_NAME = "k3ray"
 IMPORT_PATH = "k3ray.actors.serve_app:build_app"  # the Serve app builder
@@ -206,8 +207,6 @@ class ServeArgs(Settings):
 
     def resolved(self) -> ServeArgs:
         """The checkpoint path and model name filled in (the default checkpoint is written on first use)."""
-        from k3ray.default_model import checkpoint_dir
-
         path = os.path.abspath(os.path.expanduser(checkpoint_dir(self.model.model)))
         name = self.server.served_model_name or os.path.basename(path.rstrip("/"))
         tokenizer = self.model.tokenizer and os.path.abspath(os.path.expanduser(self.model.tokenizer))
@@ -215,6 +214,7 @@ class ServeArgs(Settings):
                                        "server": self.server.model_copy(update={"served_model_name": name})})
 
     def parallel_config(self):
+        # lazy: torch (under protocol) stays out of `k3ray serve --help` and --print-config
         from k3ray.actors.protocol import ParallelConfig
 
         p = self.parallel

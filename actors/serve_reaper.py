@@ -33,6 +33,8 @@ import threading
 
 import psutil
 
+from k3ray.actors.serve_isolation import remove_stale_runtime_dirs
+
 MARK = "K3RAY_SERVE_MARK"
 STOPPED = b"stopped\n"
 EXIT_GRACE_S = 2.0  # Ray's agents leave on their own once their raylet is gone; most within this
@@ -150,6 +152,7 @@ class Reaper:
 def delete_app(address: str, app: str) -> None:
     """Delete `app` on the cluster at `address` (serve_launch.delete_app), leaving every other app
     and Serve itself running."""
+    # lazy: Ray only to delete the app on a joined cluster: the reaper process starts in a blink
     import ray
 
     from k3ray.actors import serve_launch
@@ -187,8 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     recorded: dict[int, float] = {}
     if os.getppid() == args.command and _watch_command(args.command, recorded):
         return 0
-    from k3ray.actors.serve_isolation import remove_stale_runtime_dirs
-
     left = stop_processes(leftovers(args.mark, recorded), grace_s=0)
     remove_stale_runtime_dirs()  # the command's (HAProxy's files), now that it is dead
     if left:

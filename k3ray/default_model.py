@@ -25,7 +25,7 @@ def cache_root() -> str:
 def write_tiny_checkpoint(path: str, seed: int = DEFAULT_SEED, max_shard_bytes: int = 256 * 1024) -> str:
     """Write the tiny K3 (random weights from `seed`, bf16 + published fp32 exceptions) with its
     vision tower and projector to path."""
-    # torch and the model stack load only to write it: resolving a model argument stays torch-free
+    # lazy: torch and the model stack only to write it; resolving a model argument (serve's preflight) stays torch-free
     import torch
 
     from k3ray.models.init import build_model

@@ -7,8 +7,10 @@ one anywhere ("k3ray.actors.serve_cli", "mod:attr"), a bare one given to an impo
 (importlib.import_module("ray"), __import__("ray")); a bare "ray" elsewhere (a dict key, a
 distribution name for a version lookup) imports nothing and does not count.
 
-And the modules of the core and the kernels import each other without a circle, lazy imports
-included (a function-level import may keep a heavy dependency out of startup, never hide a circle)."""
+And the shipped modules import each other without a circle, lazy imports included (a
+function-level import may keep a heavy or optional dependency out of startup, never hide a circle),
+nor do the parts the core and the kernels are made of; each function-level import says why it is
+one (a `# lazy:` comment on it or on the imports just above it)."""
 
 from __future__ import annotations
 
@@ -205,15 +207,71 @@ def circle(graph: dict[str, set[str]]) -> str | None:
     return None
 
 
-def test_the_core_and_the_kernels_import_without_a_circle():
-    """Between modules, and between the parts they make up (k3ray.weights, k3ray.default_model, ...)."""
-    sources = {module_name(path): (path.read_text(), path.name == "__init__.py") for path in source_files()
-               if package_of(module_name(path)) in ("k3ray", "k3ray.kernels")}
-    assert len(sources) > 100
+def shipped_sources() -> dict[str, tuple[str, bool]]:
+    return {module_name(path): (path.read_text(), path.name == "__init__.py") for path in source_files()
+            if package_of(module_name(path)) in SHIPPED}
+
+
+def test_the_shipped_modules_import_without_a_circle():
+    """Every module of the wheel, lazy imports included: moving a lazy import to the top of its
+    module can never make an import fail half way."""
+    sources = shipped_sources()
+    assert len(sources) > 200
     graph = import_graph(sources)
     assert circle(graph) is None, f"import circle between modules: {circle(graph)}"
-    parts = parts_graph(graph)
+
+
+def test_the_parts_of_the_core_and_the_kernels_import_without_a_circle():
+    """Between the parts the core and the kernels are made of (k3ray.weights, k3ray.default_model, ...)."""
+    sources = {m: s for m, s in shipped_sources().items() if package_of(m) in ("k3ray", "k3ray.kernels")}
+    assert len(sources) > 100
+    parts = parts_graph(import_graph(sources))
     assert circle(parts) is None, f"import circle between parts of the core: {circle(parts)}"
+
+
+def unexplained_lazy_imports(source: str) -> list[int]:
+    """Lines of function-level imports without a `# lazy:` reason on them or on the comments and
+    imports directly above them (one reason may head a group of lazy imports)."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    lazy = [node for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    import_lines = {n for node in lazy for n in range(node.lineno, node.end_lineno + 1)}
+    missing = []
+    for node in lazy:
+        n = node.end_lineno
+        while n >= 1 and "# lazy:" not in lines[n - 1]:
+            text = lines[n - 1].strip()
+            if n < node.lineno and not (n in import_lines or text.startswith("#") or not text):
+                break
+            n -= 1
+        if n < 1 or "# lazy:" not in lines[n - 1]:
+            missing.append(node.lineno)
+    return sorted(set(missing))
+
+
+def test_every_function_level_import_says_why():
+    problems = [f"{path.relative_to(ROOT)}:{line}" for path in source_files()
+                if package_of(module_name(path)) in SHIPPED for line in unexplained_lazy_imports(path.read_text())]
+    assert not problems, ("function-level imports keep a heavy or optional dependency out of startup, with a "
+                          "`# lazy: why` comment; move these to the top of their modules or say why:\n"
+                          + "\n".join(problems))
+
+
+def test_the_lazy_import_check_reads_groups_and_stops_at_code():
+    source = ("import os\n"
+              "def f():\n"
+              "    # lazy: torch stays out of `k3ray --help`\n"
+              "    import torch\n"
+              "\n"
+              "    from k3ray.models import (\n"
+              "        init)\n"
+              "    x = 1\n"
+              "    import json\n"
+              "    import ray  # lazy: Ray only for the ray executor\n"
+              "def g():\n"
+              "    import time\n")
+    assert unexplained_lazy_imports(source) == [9, 12]
 
 
 def test_the_circle_check_sees_lazy_imports_and_names_a_package_loads_on_first_use():

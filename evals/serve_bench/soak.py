@@ -20,7 +20,10 @@ import time
 from collections import Counter
 from typing import Any
 
+import psutil
+
 from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
+from k3ray.bench.common import machine
 
 HELP = "bounded soak on loopback: errors by type and the replica's memory over time"
 KINDS = ("completion", "stream", "chat")
@@ -48,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.chaos:
+        # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
         from k3ray.evals.serve_bench.chaos import run_chaos
 
         return run_chaos(args)
@@ -56,6 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.endpoint is not None:
         return _soak(args, args.endpoint.rstrip("/"), local=False)
+    # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.evals.serve_bench.server import local_serve_app
 
     serve_args: dict[str, Any] = {"engine": {"max_num_seqs": max(8, args.concurrency)}}
@@ -67,8 +72,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def replica_rss_mb() -> float:
     """Resident MB of this machine's Serve replicas and their children (engine processes)."""
-    import psutil
-
     total = 0
     for proc in psutil.process_iter(["cmdline"]):
         if REPLICA_MARK in " ".join(proc.info["cmdline"] or []):
@@ -81,7 +84,7 @@ def replica_rss_mb() -> float:
 
 
 def _soak(args: argparse.Namespace, url: str, local: bool) -> dict[str, Any]:
-    from k3ray.bench.common import machine
+    # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.evals.serve_bench.server import server_facts
 
     model, _ = server_facts(url, None, api_key=args.api_key)
@@ -101,6 +104,7 @@ def _soak(args: argparse.Namespace, url: str, local: bool) -> dict[str, Any]:
 
 
 async def _drive(args, url: str, model: str, local: bool) -> tuple[Counter, list, float]:
+    # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     import httpx
 
     from k3ray.evals.serve_bench.server import auth_headers
@@ -135,6 +139,7 @@ async def _drive(args, url: str, model: str, local: bool) -> tuple[Counter, list
 
 async def _one(http, model: str, kind: str, i: int, max_tokens: int) -> str:
     """One request; "ok" or the type of its failure."""
+    # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     import httpx
 
     sampling = {"model": model, "max_tokens": max_tokens, "temperature": 0.7, "seed": i}

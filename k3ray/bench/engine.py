@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import psutil
 
 from k3ray.bench.common import machine
+from k3ray.bench.model import graph_decode_seconds
 from k3ray.config import preset
 from k3ray.device_flags import add_device_argument, add_dtype_argument, add_enforce_eager_argument
 from k3ray.threads import add_threads_argument, set_threads
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.device import resolve_device
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -112,6 +115,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 
 def bench_batching(model, args) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.engine import LLM, SamplingParams
 
     prompts = _prompts(args.concurrency, args.batch_prompt_tokens, 0)
@@ -138,6 +142,7 @@ def bench_batching(model, args) -> dict[str, Any]:
 @contextlib.contextmanager
 def _forward_seconds(llm) -> Iterator[list[float]]:
     """Within the block, the seconds of each executor.execute call (the forward), synchronised on CUDA."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     executor = llm.engine.executor
@@ -162,9 +167,9 @@ def _forward_seconds(llm) -> Iterator[list[float]]:
 def bench_graphs(model, args) -> dict[str, Any]:
     """CUDA only: engine decode at `concurrency` streams with CUDA graphs, against the same engine
     eager and against the bare captured-graph forward of the same batch (no scheduler, no sampler)."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
-    from k3ray.bench.model import graph_decode_seconds
     from k3ray.engine import LLM, SamplingParams
 
     streams, steps = args.concurrency, args.graph_max_tokens
@@ -189,6 +194,7 @@ def bench_graphs(model, args) -> dict[str, Any]:
 
 
 def bench_prefix(model, args) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.engine import LLM, SamplingParams
 
     n, shared = args.prefix_prompt_tokens, int(args.prefix_prompt_tokens * args.prefix_shared)
@@ -217,6 +223,7 @@ def _snapshots_per_prompt(tokens: int, args) -> int:
 def bench_prefix_scan(model, args) -> dict[str, Any]:
     """A shared prefix that served a hit, then unrelated prompts whose snapshots overflow the spare
     slots twice over: how much of the prefix the next prompt sharing it resumes."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.engine import LLM, SamplingParams
 
     n, shared = args.prefix_prompt_tokens, int(args.prefix_prompt_tokens * args.prefix_shared)
@@ -241,6 +248,7 @@ def bench_prefix_scan(model, args) -> dict[str, Any]:
 def bench_prefix_first_half(model, args) -> dict[str, Any]:
     """A prompt with four times as many snapshots as spare slots, then one sharing its first half:
     how much of the half it resumes."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.engine import LLM, SamplingParams
 
     n = 4 * args.prefix_prompt_tokens
@@ -256,6 +264,7 @@ def bench_prefix_first_half(model, args) -> dict[str, Any]:
 
 
 def bench_spec(args) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
@@ -285,6 +294,7 @@ def bench_spec(args) -> dict[str, Any]:
 
 
 def bench_long_prompt(model, args) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.engine import LLM, SamplingParams

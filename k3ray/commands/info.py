@@ -38,7 +38,7 @@ def load_config(preset_name: str | None, path: str | None) -> ModelConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from k3ray.info import sequence_memory, summarize  # torch: imported only when the command runs
+    from k3ray.info import sequence_memory, summarize  # lazy: torch stays out of CLI startup (`k3ray --help`)
 
     config = load_config(args.preset, args.path)
     s = summarize(config)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 
+from k3ray.capacity import GIB, PlanRequest, plan, predict_throughput
 from k3ray.commands.info import _parse_len, load_config
 
 HELP = "size a deployment: actor layout, devices and memory per actor"
@@ -30,8 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from k3ray.capacity import GIB, PlanRequest, plan, predict_throughput
-
     req = PlanRequest(
         config=load_config(args.preset, args.path), device=args.device.upper() if args.device.lower() != "cpu" else "CPU",
         context_len=args.context_len, concurrency=args.concurrency, expert_format=args.experts,

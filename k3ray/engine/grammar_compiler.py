@@ -200,6 +200,7 @@ class GrammarCompiler:
         does it on its watching thread unless it was done before)."""
         with self._outputs_lock:
             if self._outputs is None:
+                # lazy: xgrammar (and transformers under it) only once a request asks for structured output
                 from k3ray.engine.structured_output import StructuredOutputs, encoded_vocab
 
                 self._vocab = encoded_vocab(self._tokenizer, self._vocab_size)
