@@ -1,7 +1,7 @@
 """A serving install (`pip install k3ray`, no extra) serves: the eval-only packages are in the `eval`
 extra, test tooling in `test`, and with the eval packages hidden from imports every serving module
-imports, `k3ray info`, `plan`, `generate` and `serve --print-config` run, and `k3ray eval` ends with
-one line naming the extra."""
+imports, `k3ray info`, `plan`, `generate` and `serve --print-config` run, and `k3ray eval` (and
+bench serve's long dataset, read through `datasets`) ends with one line naming the extra."""
 
 import json
 import subprocess
@@ -63,7 +63,15 @@ for argv in (["info"], ["plan"], ["serve", "--print-config"], ["generate", "--ma
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(argv)
     runs[" ".join(argv)] = {{"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}}
-print(json.dumps({{"failed": failed, "runs": runs, "loaded": sorted(set(sys.modules) & set({hidden!r}))}}))
+from k3ray.evals.serve_bench.datasets import long_requests, random_requests
+
+assert len(random_requests(2, 8, 4, (0, 200))) == 2  # bench serve's default dataset
+try:
+    long_requests(2, 8, 4, tokenize=lambda text: list(text.encode()))
+    long_error = None
+except ValueError as e:
+    long_error = str(e)
+print(json.dumps({{"failed": failed, "runs": runs, "long_error": long_error, "loaded": sorted(set(sys.modules) & set({hidden!r}))}}))
 """
 
 
@@ -101,3 +109,4 @@ def test_serving_runs_without_the_eval_extra(tmp_path):
     assert line.startswith("k3ray eval: error: ") and INSTALL in line
     assert all(name in line for name in HIDDEN) and "tqdm" not in line, line
     assert not (tmp_path / "eval").exists()
+    assert report["long_error"] == f"--dataset long needs the eval extra (datasets not installed): {INSTALL}"
