@@ -14,13 +14,15 @@ k3ray's offline task YAMLs on the include path; writes lm-eval's results JSON un
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+from k3ray.evals.extra import require_eval_extra
 
 from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
 from k3ray.cli_flags import add_deprecated_alias
-from k3ray.threads import add_threads_argument
-
 from k3ray.device_flags import add_device_argument, add_dtype_argument, add_enforce_eager_argument
+from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "long-context and multimodal evals against an endpoint or engine"
 SUITE_HELP = {
@@ -63,6 +65,7 @@ def parse_depths(text: str) -> tuple[float, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # lazy: numpy, PIL and tqdm (the tasks, the runner) load for `k3ray eval`, not for `k3ray --help`
     from k3ray.evals.runner import EXECUTORS
     from k3ray.evals.tasks import SUITES, TASKS
 
@@ -146,9 +149,11 @@ def _target(args: argparse.Namespace):
     if args.model is not None:
         return _engine_target(args)
     if args.oracle is not None:
+        # lazy: a target (httpx, PIL, tiktoken) loads for its run, not for `k3ray --help`
         from k3ray.evals.oracle import OracleTarget
 
         return OracleTarget(wrong=args.oracle == "wrong")
+    # lazy: a target (httpx, PIL, tiktoken) loads for its run, not for `k3ray --help`
     from k3ray.evals.lm_eval_bridge import probe_server
     from k3ray.evals.openai_target import OpenAITarget
 
@@ -157,12 +162,11 @@ def _target(args: argparse.Namespace):
 
 
 def _engine_target(args: argparse.Namespace):
+    # lazy: torch and the engine only for --model
     import torch
+    from k3ray.evals.engine_target import EngineTarget
 
     from k3ray.engine import LLM
-    from k3ray.evals.engine_target import EngineTarget
-    from k3ray.threads import set_threads
-
     if args.cache_memory_mb <= 0:
         raise ValueError(f"--cache-memory-mb must be > 0, got {args.cache_memory_mb}")
     set_threads(args.threads)
@@ -174,11 +178,9 @@ def _engine_target(args: argparse.Namespace):
 
 
 def lm_eval_main(args: argparse.Namespace) -> int:
-    import json
-
-    from lm_eval.utils import make_table
-
+    # lazy: lm-eval (the eval extra) only for `k3ray eval lm-eval`
     from k3ray.evals import lm_eval_bridge as bridge
+    from lm_eval.utils import make_table
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
@@ -196,8 +198,6 @@ def lm_eval_main(args: argparse.Namespace) -> int:
             print(f"k3ray eval: {info.root} has no /tokenizer_info + /tokenize: text prompts, no tokenizer "
                   "(loglikelihood tasks cannot run)", file=sys.stderr)
     else:
-        from k3ray.threads import set_threads
-
         set_threads(args.threads)
         model, model_args = "k3ray", {"pretrained": args.model}
         if args.max_model_len is not None:
@@ -213,8 +213,10 @@ def lm_eval_main(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    require_eval_extra()
     if args.suite == "lm-eval":
         return lm_eval_main(args)
+    # lazy: httpx, numpy, PIL and tqdm load for the run, not for `k3ray --help`
     from k3ray.evals.openai_target import EndpointError
     from k3ray.evals.runner import RunConfig, run_eval
     from k3ray.evals.tasks import SUITES

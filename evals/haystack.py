@@ -27,6 +27,7 @@ def corpus_path(name: str = DEFAULT_CORPUS) -> Path:
 @functools.lru_cache(maxsize=8)
 def load_corpus(path: str | None = None) -> str:
     """The documents of a JSONL (`text` field) or `.txt` file, read through `datasets`, joined."""
+    # lazy: datasets (the eval extra, seconds to import) only when a haystack is read
     import datasets
 
     path = str(corpus_path() if path is None else path)

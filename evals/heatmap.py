@@ -41,6 +41,7 @@ def title(summary: dict[str, Any]) -> str:
 def plot(summary: dict[str, Any], path: str | Path) -> None:
     """Write the grid of `summary` (per length x depth; by length alone when depths are random)."""
     # imported here: matplotlib is slow to import and only the report needs it
+    # lazy: matplotlib (the eval extra) only when a heatmap is drawn
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import LinearSegmentedColormap
     from matplotlib.figure import Figure

@@ -111,6 +111,7 @@ def local_completions_args(info: ServerInfo, *, max_length: int | None = None, n
 
 
 def _task_manager(tasks: Sequence[str], include_path: Sequence[str], metadata: dict[str, Any]):
+    # lazy: lm-eval (the eval extra, seconds to import) only for `k3ray eval lm-eval`: endpoint evals use probe_server alone
     from lm_eval.tasks import TaskManager
 
     paths = [str(TASKS_DIR), *map(str, include_path)]
@@ -135,10 +136,12 @@ def run_lm_eval(tasks: Sequence[str], model: str, model_args: dict[str, Any], *,
         raise ValueError("tasks must name at least one lm-eval task")
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(key, "1")
+    # lazy: lm-eval (the eval extra, seconds to import) only for `k3ray eval lm-eval`: endpoint evals use probe_server alone
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
 
     if model == "k3ray":
+        # lazy: lm-eval (the eval extra, seconds to import) only for `k3ray eval lm-eval`: endpoint evals use probe_server alone
         import k3ray.evals.lm_eval_model  # noqa: F401 - registers the model
 
     task_metadata = {k: model_args[k] for k in TASK_METADATA_KEYS if model_args.get(k) is not None}

@@ -12,25 +12,13 @@ import re
 from collections.abc import Callable, Sequence
 
 from k3ray.evals.target import Prompt
+from k3ray.evals.tasks import READERS
+from k3ray.tokenizer import ByteTokenizer
 
 _DIGITS = str.maketrans("0123456789", "5678901234")
 
 
-class _Utf8Bytes:
-    """Byte-level fallback while k3ray.tokenizer is unavailable: one token per UTF-8 byte."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
 def default_tokenizer():
-    try:
-        from k3ray.tokenizer import ByteTokenizer
-    except ImportError:
-        return _Utf8Bytes()
     return ByteTokenizer()
 
 
@@ -62,8 +50,6 @@ class OracleTarget:
         max_context: int | None = None,
         name: str | None = None,
     ) -> None:
-        from k3ray.evals.tasks import READERS
-
         self.wrong = wrong
         self.tokenizer = default_tokenizer() if tokenizer is None else tokenizer
         self.readers = tuple(READERS if readers is None else readers)

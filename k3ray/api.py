@@ -16,9 +16,12 @@ from typing import Sequence
 
 import torch
 
+from k3ray.default_model import checkpoint_dir
 from k3ray.device import DeviceLike, resolve_device, to_device
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.k3 import K3ForCausalLM
+from k3ray.tokenizer.load import tokenizer_for
+from k3ray.weights.loader import load_model
 
 BLOCK_SIZE = 64
 
@@ -37,10 +40,6 @@ class K3:
         shipped checkpoint by name ("k3-tiny-niah") onto `device` ("auto": CUDA when available,
         "cpu", "cuda", "cuda:N"); with no path, the deterministic tiny K3 checkpoint (made on first
         use). `tokenizer`: a directory holding the tokenizer when the checkpoint has none of its own."""
-        from k3ray.checkpoints import checkpoint_dir
-        from k3ray.tokenizer.load import tokenizer_for
-        from k3ray.weights import load_model
-
         path = checkpoint_dir(path)
         model = load_model(path, dtype=dtype, device=resolve_device(device))
         return cls(model.eval(), tokenizer_for(path, tokenizer), name=model.config.name)

@@ -153,6 +153,7 @@ def build_plan(req: PlanRequest, pipeline: int, expert_parallel: int) -> Plan:
 
 
 def _vision_bytes(c: ModelConfig) -> int:
+    # lazy: torch only to size a vision tower on the meta device; `k3ray plan` otherwise stays torch-free
     import torch
 
     from k3ray.vision.model import K3VisionModel

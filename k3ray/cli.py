@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from types import ModuleType
 
 from k3ray.cli_flags import show_defaults
@@ -59,8 +59,6 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def _installed_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("k3ray")
     except PackageNotFoundError:

@@ -1,4 +1,6 @@
-"""The embedded default: a deterministic tiny K3 checkpoint written on first use to a cache dir.
+"""Which checkpoint a model argument names (`checkpoint_dir`): a directory, a shipped checkpoint's
+name, or none for the embedded default: a deterministic tiny K3 checkpoint written on first use to
+a cache dir.
 
 Same format as the published K3 checkpoint (sharded safetensors, MXFP4 experts, config.json)
 plus the byte-level tokenizer's config, so every code path that loads K3 loads it too."""
@@ -9,8 +11,7 @@ import os
 import shutil
 import tempfile
 
-import torch
-
+from k3ray.checkpoints import resolve_shipped
 from k3ray.config import k3_tiny_config
 
 DEFAULT_NAME = "k3-tiny-v4"  # bump when the tiny model's definition (its tokenizer files too) changes
@@ -24,10 +25,13 @@ def cache_root() -> str:
 def write_tiny_checkpoint(path: str, seed: int = DEFAULT_SEED, max_shard_bytes: int = 256 * 1024) -> str:
     """Write the tiny K3 (random weights from `seed`, bf16 + published fp32 exceptions) with its
     vision tower and projector to path."""
+    # lazy: torch and the model stack only to write it; resolving a model argument (serve's preflight) stays torch-free
+    import torch
+
     from k3ray.models.init import build_model
-    from k3ray.tokenizer import ByteTokenizer
+    from k3ray.tokenizer.byte import ByteTokenizer
     from k3ray.vision.model import build_vision_model
-    from k3ray.weights import save_checkpoint
+    from k3ray.weights.writer import save_checkpoint
 
     config = k3_tiny_config()
     model = build_model(config, torch.bfloat16, seed=seed)
@@ -53,3 +57,9 @@ def default_checkpoint_dir() -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def checkpoint_dir(model: str | os.PathLike | None) -> str:
+    """The directory to load: None -> the default tiny checkpoint (written on first use); a shipped
+    name that is not an existing path -> its packaged directory; anything else as given."""
+    return default_checkpoint_dir() if model is None else resolve_shipped(model)

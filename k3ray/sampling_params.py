@@ -8,6 +8,8 @@ import numbers
 import re
 from dataclasses import dataclass
 
+from k3ray.strict_json import checked_schema
+
 MAX_LOGPROBS = 20
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
@@ -175,8 +177,6 @@ class SamplingParams:
         if bad:
             raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
         if self.structured_outputs is not None:
-            from k3ray.engine.strict_json import checked_schema
-
             for field, schema in self.structured_outputs.schemas():
                 checked_schema(schema, max_schema_bytes, field)
             tool_calls = self.structured_outputs.tool_calls

@@ -36,6 +36,6 @@ def set_threads(threads: int | None) -> None:
     """Apply `--threads` (or its default) to torch in this process."""
     count = resolved_threads(threads)
     if count is not None:
-        import torch
+        import torch  # lazy: torch-free until a command applies it (parsers import this module)
 
         torch.set_num_threads(count)

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from k3ray.kernels.triton_dots import interpreting
 
@@ -71,8 +74,6 @@ def recording_launches() -> Iterator[list[Launch]]:
     """Within the block, `kernel[grid](...)` records a Launch instead of running."""
     if interpreting():
         raise ValueError("unset TRITON_INTERPRET: under the interpreter the kernels are not compiled, only run on CPU")
-    from triton.runtime.jit import JITFunction
-
     launches: list[Launch] = []
     run = JITFunction.run
 
@@ -89,10 +90,6 @@ def recording_launches() -> Iterator[list[Launch]]:
 
 def compile_launch(launch: Launch, arch: int = 90) -> Any:
     """The CompiledKernel a CUDA launch with these arguments would build on an sm_`arch` part."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
     kernel = launch.kernel
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)

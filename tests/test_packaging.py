@@ -57,7 +57,17 @@ def test_wheel_holds_mapped_packages(wheel):
     for path in ("k3ray/kernels/kda/naive.py", "k3ray/kernels/moe/mxfp4.py", "k3ray/actors/__init__.py",
                  "k3ray/evals/__init__.py", "k3ray/models/k3.py", "k3ray/config.py"):
         assert path in names, path
-    assert not any(n.startswith(("kernels/", "actors/", "evals/", "tests/")) for n in names)
+    assert not any(n.startswith(("kernels/", "actors/", "evals/", "tests/", "training/")) for n in names)
+
+
+def test_wheel_ships_no_training_code_or_log(wheel):
+    """The training program stays in the checkout (training/); the shipped checkpoint is what loading it needs."""
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if "k3ray_training" in n or "/fixture/" in n or n.startswith("k3ray/checkpoints/")
+                and n.endswith(".jsonl")]
+    shipped = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("k3ray/checkpoints/k3-tiny-niah/"))
+    assert shipped == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
+                       "tokenizer.json", "tokenizer_config.json"]
 
 
 def test_every_module_imports_from_the_installed_wheel(wheel, tmp_path):

@@ -19,6 +19,7 @@ import statistics
 import time
 
 from k3ray.actors.pipeline.moe_dispatch_modes import DEFAULT_MOE_DISPATCH, MOE_DISPATCH_MODES
+
 from k3ray.bench.common import machine
 from k3ray.cli_flags import add_deprecated_alias
 
@@ -48,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _decode_args(batch: int, step: int, prompt: int):
+    # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.engine.plan import BatchPlan
@@ -58,6 +60,7 @@ def _decode_args(batch: int, step: int, prompt: int):
 
 
 def _prefill_args(batch: int, prompt: int):
+    # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.engine.plan import BatchPlan
@@ -95,19 +98,20 @@ def _interleaved_medians(timed: dict, rounds: int, per_round: int) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> dict:
+    # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
-
     from k3ray.actors.pipeline.protocol import ParallelConfig
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import ray
-
-    from k3ray.actors.pipeline.moe_dispatch import fan_out, split
-    from k3ray.actors.pipeline.runner import RayModelRunner
-    from k3ray.actors.pipeline.protocol import CacheSpec
     from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
+    from k3ray.actors.pipeline.moe_dispatch import fan_out, split
+    from k3ray.actors.pipeline.protocol import CacheSpec
+    from k3ray.actors.pipeline.runner import RayModelRunner
     from k3ray.actors.pipeline.wire import pack, unpack_raw
+
     from k3ray.default_model import default_checkpoint_dir
     from k3ray.models.forward_batch import ModelCache
     from k3ray.weights import load_model
@@ -130,6 +134,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         connect(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     if args.workload == "skewed":
+        # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
         from k3ray.actors.bench.cluster_skewed import run_skewed
 
         if args.redundant_experts is None:
@@ -233,6 +238,7 @@ def run(args: argparse.Namespace) -> dict:
 def _compiled_graph(runner, B: int, prompt: int, args, local_ms, tokens) -> dict | None:
     """The steady decode loop through a Ray Compiled Graph of the stage chain (the MoE dispatch
     inside each stage stays a plain actor call). None where Compiled Graphs fail here."""
+    # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import ray
     from ray.dag import InputNode
 

@@ -13,16 +13,20 @@ import statistics
 import tempfile
 import time
 
+import ray
+import torch
+from k3ray.actors.pipeline.expert_placement import Placement, max_over_mean
+from k3ray.actors.pipeline.protocol import ParallelConfig
+from k3ray.actors.pipeline.runner import RayModelRunner
+
+from k3ray.weights import load_model
+from k3ray.weights.writer import save_checkpoint
+
 HOT_EXPERT_BIAS = 10.0  # sigmoid scores lie in [0, 1]: expert 0 wins every token's first slot
 
 
 def skewed_checkpoint(source: str, path: str) -> str:
     """The checkpoint at `source` with expert 0's selection bias raised in every MoE layer, written to `path`."""
-    import torch
-
-    from k3ray.weights import load_model
-    from k3ray.weights.writer import save_checkpoint
-
     model = load_model(source, torch.float32)
     with torch.no_grad():
         for i in range(model.config.num_layers):
@@ -33,13 +37,6 @@ def skewed_checkpoint(source: str, path: str) -> str:
 
 
 def run_skewed(args: argparse.Namespace, ckpt: str, spec, decode_args, prefill_args) -> dict:
-    import ray
-    import torch
-
-    from k3ray.actors.pipeline.expert_placement import Placement, max_over_mean
-    from k3ray.actors.pipeline.runner import RayModelRunner
-    from k3ray.actors.pipeline.protocol import ParallelConfig
-
     if args.expert_parallel < 2:
         raise ValueError("--workload skewed needs --expert-parallel >= 2 (shards to balance)")
     B, prompt = args.decode_batch, 8

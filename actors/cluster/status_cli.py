@@ -23,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # lazy: Ray's GCS client stays out of `k3ray --help`
     from k3ray.actors.cluster.placement_table import gcs_state, placement_rows
 
     try:

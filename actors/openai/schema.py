@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from k3ray.actors.openai.middleware import OPEN_PATHS
@@ -83,8 +84,6 @@ class ServerLimits:
 
 def openapi_document(app: FastAPI, limits: ServerLimits) -> dict:
     if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
-
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         for path, methods in doc["paths"].items():
             for operation in methods.values():

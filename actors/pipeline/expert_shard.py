@@ -16,6 +16,8 @@ from k3ray.actors.pipeline.protocol import StageFailure
 from k3ray.actors.pipeline.restartable import Restartable
 from k3ray.actors.pipeline.wire import Bundle, pack_raw, unpack_tagged
 from k3ray.config import ModelConfig
+from k3ray.models.k3 import local_experts
+from k3ray.weights import load_checkpoint
 
 
 class ExpertContainer(nn.Module):
@@ -24,8 +26,6 @@ class ExpertContainer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int], expert_range: tuple[int, int], dtype):
         super().__init__()
-        from k3ray.models.k3 import local_experts
-
         self.config, self.expert_range = config, expert_range
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict()
@@ -55,8 +55,6 @@ class ExpertShard(Restartable):
         self.loader = ThreadPoolExecutor(1)  # replicas load beside the compute calls
 
     def _load(self, expert_range: tuple[int, int]) -> ExpertContainer:
-        from k3ray.weights import load_checkpoint
-
         with torch.device(self.device):
             container = ExpertContainer(self.config, self.layer_range, expert_range, self.dtype)
         load_checkpoint(container, self.checkpoint)  # straight onto the container's device

@@ -19,6 +19,7 @@ import time
 
 import ray
 import torch
+from ray.dag import InputNode, MultiOutputNode
 
 from k3ray.actors.pipeline.expert_placement import Placement
 from k3ray.actors.pipeline.protocol import StageFailure
@@ -240,8 +241,6 @@ class CompiledDispatch(DirectDispatch):
         self.close()
 
     def _compile(self):
-        from ray.dag import InputNode, MultiOutputNode
-
         with InputNode() as inp:  # inp[s]: shard s's rows, tagged with the layer
             graph = MultiOutputNode([shard.compute.bind(inp[s]) for s, (_, _, shard) in enumerate(self.shards)])
         return graph.experimental_compile()

@@ -25,19 +25,20 @@ from dataclasses import dataclass, replace
 
 import ray
 import torch
+from k3ray.actors.pipeline.actor_bundles import actor_bundles
+from k3ray.actors.pipeline.expert_shard import ExpertShard
+from k3ray.actors.pipeline.faults import ALIVE, REPLACED, RESTARTED, PipelineFaults
+from k3ray.actors.pipeline.moe_dispatch import ShardMap
+from k3ray.actors.pipeline.moe_router import MoERouter
+from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, PipelineLost, StageFailure, WirePlan
+from k3ray.actors.pipeline.stage import PipelineStage
+from k3ray.actors.pipeline.vision_encoder import VisionEncoder
+from k3ray.actors.pipeline.wire import unpack
+from ray.experimental.collective import create_collective_group, destroy_collective_group
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.placement_group import placement_group as ray_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from k3ray.actors.pipeline.expert_shard import ExpertShard
-from k3ray.actors.pipeline.moe_dispatch import ShardMap
-from k3ray.actors.pipeline.faults import ALIVE, REPLACED, RESTARTED, PipelineFaults
-from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, PipelineLost, StageFailure, WirePlan
-from k3ray.actors.pipeline.actor_bundles import actor_bundles
-from k3ray.actors.pipeline.moe_router import MoERouter
-from k3ray.actors.pipeline.stage import PipelineStage
-from k3ray.actors.pipeline.vision_encoder import VisionEncoder
-from k3ray.actors.pipeline.wire import unpack
 from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
 from k3ray.engine.plan import BatchPlan, StepPlan
@@ -184,8 +185,6 @@ class RayModelRunner:
     def _connect_stages(self) -> None:
         """One collective group over the stages, with hop_transport's backend (an old one dropped
         first); a failure leaves the hops on host memory, logged."""
-        from ray.experimental.collective import create_collective_group, destroy_collective_group
-
         if self.stage_group is not None:
             old, self.stage_group = self.stage_group, None
             try:

@@ -12,7 +12,6 @@ import time
 
 import ray
 import torch
-
 from k3ray.actors.pipeline.actor_device import assigned_device, placement_info
 from k3ray.actors.pipeline.expert_placement import Placement
 from k3ray.actors.pipeline.moe_dispatch import DirectDispatch, MoEDispatch, RemoteExperts, make_dispatch
@@ -20,15 +19,16 @@ from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailu
 from k3ray.actors.pipeline.restartable import Restartable
 from k3ray.actors.pipeline.wire import Bundle, pack, unpack, unpack_tagged
 
+from k3ray.config import ModelConfig
+from k3ray.models.forward_batch import ModelCache
+from k3ray.models.init import build_model
+from k3ray.vision.placeholders import splice_media_embeddings
+from k3ray.weights import load_checkpoint
+
 
 class PipelineStage(Restartable):
     def __init__(self, checkpoint: str, layer_range: tuple[int, int], cache_spec: CacheSpec,
                  router: "ray.actor.ActorHandle | None", parallel: ParallelConfig):
-        from k3ray.config import ModelConfig
-        from k3ray.models.forward_batch import ModelCache
-        from k3ray.models.init import build_model
-        from k3ray.weights import load_checkpoint
-
         torch.set_num_threads(parallel.torch_threads)
         config = ModelConfig.from_json_file(f"{checkpoint}/config.json")
         dtype = getattr(torch, cache_spec.dtype)
@@ -53,8 +53,6 @@ class PipelineStage(Restartable):
         stage, (logits [len(logits_indices), V] fp32,) — one wire bundle (k3ray.actors.pipeline.wire), or
         with `on_device` the (hidden, bank) tensors themselves on this stage's device, for Ray's NCCL
         or GLOO transport to carry (a carry that came that way arrives as those tensors, here)."""
-        from k3ray.vision.placeholders import splice_media_embeddings
-
         if self.restarted:  # the engine's sequences and prefix cache point into caches this process never held
             raise StageFailure(f"the stage of layers {self.layer_range} was restarted with empty caches")
         plan = wire_plan.decode()

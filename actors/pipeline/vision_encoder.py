@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import ray
 import torch
-
 from k3ray.actors.pipeline.actor_device import assigned_device, placement_info
 from k3ray.actors.pipeline.restartable import Restartable
+
+from k3ray.vision import encode_media, load_vision
 
 
 class VisionEncoder(Restartable):
     def __init__(self, checkpoint: str, dtype: str = "float32", torch_threads: int = 1):
-        from k3ray.vision import load_vision
-
         torch.set_num_threads(torch_threads)
         self.device = assigned_device()
         self.model = load_vision(checkpoint, getattr(torch, dtype), device=self.device).eval()
@@ -22,8 +21,6 @@ class VisionEncoder(Restartable):
     @torch.no_grad()
     def encode(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """[sum patches, 3, 14, 14] + [n_chunks, 3] -> [n_tokens, text_hidden]."""
-        from k3ray.vision import encode_media
-
         return encode_media(self.model, pixel_values.to(self.device), grid_thws).cpu()
 
     def ready(self) -> dict:

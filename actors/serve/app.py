@@ -19,23 +19,25 @@ import logging
 import os
 
 import ray
-from ray import serve
-from ray.serve import Application
-
 from k3ray.actors.openai.admission import Admission, AdmissionLimits
-from k3ray.actors.serve.ingress_routing import IngressRequestRouter
-from k3ray.actors.serve.autoscaling import serve_autoscaling_config
-from k3ray.actors.serve.load_signals import LoadSignals
-from k3ray.actors.serve.metrics_listener import MetricsListener, runtime_dir
 from k3ray.actors.openai.routes import build_openai_app
 from k3ray.actors.openai.serving import OpenAIServing
-from k3ray.actors.serve.request_routing import PREFIXES_STAT, PrefixAffinityRequestRouter
+from k3ray.actors.serve.autoscaling import serve_autoscaling_config
+from k3ray.actors.serve.config import ServeArgs
+from k3ray.actors.serve.engine import build_engine, context_limit_note, engine_config, local_engine
+from k3ray.actors.serve.ingress_routing import IngressRequestRouter
+from k3ray.actors.serve.load_signals import LoadSignals
+from k3ray.actors.serve.metrics import ServeMetrics
+from k3ray.actors.serve.metrics_listener import MetricsListener, runtime_dir
 from k3ray.actors.serve.replica_bundles import replica_bundles
 from k3ray.actors.serve.replica_grpc_bind import bind_replica_grpc_to
 from k3ray.actors.serve.replica_readiness import Readiness, answer_checks_with
-from k3ray.actors.serve.config import ServeArgs
-from k3ray.actors.serve.engine import build_engine, context_limit_note, engine_config, local_engine
-from k3ray.actors.serve.metrics import ServeMetrics
+from k3ray.actors.serve.request_routing import PREFIXES_STAT, PrefixAffinityRequestRouter
+from ray import serve
+from ray.serve import Application
+from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
+
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
 from k3ray.tokenizer import load_tokenizer
@@ -140,8 +142,6 @@ class K3Server:
 def deployment_options(args: ServeArgs) -> dict:
     """Options for `K3Server.options(...)`; args must be resolved (a checkpoint path is needed to
     size a distributed replica's placement group)."""
-    from ray.serve.config import BackpressureConfig
-
     scaling, server, parallel = args.autoscaling, args.server, args.parallel
     options = {
         "autoscaling_config": serve_autoscaling_config(scaling),
@@ -155,8 +155,6 @@ def deployment_options(args: ServeArgs) -> dict:
     if server.max_queued_requests >= 0:
         options["backpressure_config"] = BackpressureConfig(status_code=429, retry_after_s=server.retry_after_s)
     if affinity_routing(args):
-        from ray.serve.config import RequestRouterConfig
-
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixAffinityRequestRouter,
             request_router_kwargs={"max_imbalance": args.routing.affinity_max_imbalance,
@@ -182,6 +180,4 @@ def build_app(args: dict) -> Application:
 def affinity_routing(args: ServeArgs) -> bool:
     """Prefix-affinity routing applies: asked for, more than one replica possible, and HAProxy in
     front (Serve's proxy passes the replicas no request body to route on)."""
-    from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
-
     return args.routing.request_router == "affinity" and args.autoscaling.max_replicas > 1 and RAY_SERVE_ENABLE_HA_PROXY

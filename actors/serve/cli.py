@@ -22,6 +22,7 @@ HELP = "serve a checkpoint with an OpenAI-compatible API on Ray Serve"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # lazy: pydantic (the settings) stays out of `k3ray --help`
     from k3ray.actors.serve.flags import add_settings_flags
 
     p.add_argument("--print-config", action="store_true",
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def app_args(args: argparse.Namespace) -> dict:
     """The app's args of the flags given (nested groups), the API key from $K3RAY_API_KEY if no --api-key."""
+    # lazy: pydantic (the settings) stays out of `k3ray --help`
     from k3ray.actors.serve.flags import serve_args
 
     out = serve_args(args)
@@ -40,10 +42,10 @@ def app_args(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
+    # lazy: pydantic (the settings) stays out of `k3ray --help`
     from k3ray.actors.serve.config import APP_NAME, DEFAULT_INGRESS, LOOPBACK, ServeArgs
     from k3ray.actors.serve.flags import command_flags, launch_settings, serve_args
+    from pydantic import ValidationError
 
     try:
         launch = launch_settings(args)
@@ -51,10 +53,12 @@ def main(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise ValueError(str(e)) from None
     if args.print_config:  # the flags given only: $K3RAY_API_KEY stays out of a printed file
+        # lazy: pydantic (the settings) stays out of `k3ray --help`
         from k3ray.actors.serve.yaml_config import serve_config_yaml
 
         print(serve_config_yaml(settings, launch, command_flags(args)), end="")
         return 0
+    # lazy: pydantic (the settings) stays out of `k3ray --help`
     from k3ray.actors.serve import preflight as serve_preflight
 
     # the port, the checkpoint and the layout are checked in seconds, before Ray and Serve start
@@ -66,6 +70,7 @@ def main(args: argparse.Namespace) -> int:
     if launch.address is None:
         serve_preflight.check_layout(resolved, serve_preflight.local_resources(launch.num_cpus))
 
+    # lazy: Ray loads after the preflight, never for --help or --print-config
     from k3ray.actors.serve import launch as serve_launch
     from k3ray.actors.serve import reaper as serve_reaper
 
@@ -94,6 +99,7 @@ def main(args: argparse.Namespace) -> int:
         owns_ray = serve_launch.start_ray(launch.address, launch.ingress or DEFAULT_INGRESS, **init)
         on_stop_signals()  # Ray's driver set its own SIGTERM handler (it aborts the process)
         if launch.address is not None:
+            # lazy: Ray loads after the preflight, never for --help or --print-config
             import ray
 
             launch = _joined(launch)
@@ -119,6 +125,7 @@ def main(args: argparse.Namespace) -> int:
 def _joined(launch):
     """The launch settings for the joined cluster's nodes (host, proxies), after a warning line per
     node setting missing or different there; this process's Serve takes up the cluster's ingress."""
+    # lazy: Ray loads after the preflight, never for --help or --print-config
     from k3ray.actors.cluster import node_check
     from k3ray.actors.serve import launch as serve_launch
 
@@ -146,6 +153,7 @@ def _stop_everything(owns_ray: bool, mark: str, reaper) -> bool:
     every process of this command still running; True if Serve and Ray stopped in time. The
     reaper is disarmed only then: otherwise it removes the runtime folder and, on a joined
     cluster, deletes the app again once this process has exited."""
+    # lazy: Ray loads after the preflight, never for --help or --print-config
     from k3ray.actors.serve import launch as serve_launch
     from k3ray.actors.serve import reaper as serve_reaper
 

@@ -10,8 +10,6 @@ import ipaddress
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from k3ray.actors.openai.limits import DEFAULT_MAX_BODY_BYTES
 from k3ray.actors.pipeline.moe_dispatch_modes import (
     DEFAULT_MOE_DISPATCH,
@@ -19,6 +17,9 @@ from k3ray.actors.pipeline.moe_dispatch_modes import (
     DEFAULT_REDUNDANT_EXPERTS,
     MoEDispatchMode,
 )
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from k3ray.default_model import checkpoint_dir
 
 APP_NAME = "k3ray"
 IMPORT_PATH = "k3ray.actors.serve.app:build_app"  # the Serve app builder
@@ -210,8 +211,6 @@ class ServeArgs(Settings):
 
     def resolved(self) -> ServeArgs:
         """The checkpoint path and model name filled in (the default checkpoint is written on first use)."""
-        from k3ray.checkpoints import checkpoint_dir
-
         path = os.path.abspath(os.path.expanduser(checkpoint_dir(self.model.model)))
         name = self.server.served_model_name or os.path.basename(path.rstrip("/"))
         tokenizer = self.model.tokenizer and os.path.abspath(os.path.expanduser(self.model.tokenizer))
@@ -219,6 +218,7 @@ class ServeArgs(Settings):
                                        "server": self.server.model_copy(update={"served_model_name": name})})
 
     def parallel_config(self):
+        # lazy: torch (under protocol) stays out of `k3ray serve --help` and --print-config
         from k3ray.actors.pipeline.protocol import ParallelConfig
 
         p = self.parallel

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-
 from k3ray.actors.serve.config import ServeArgs
 from k3ray.actors.serve.flags import flag
+
 from k3ray.config import VisionConfig
+from k3ray.device import resolve_device
 from k3ray.engine.config import DEFAULT_CACHE_BYTES, EngineConfig, SpeculativeConfig
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.executor import Executor, LocalExecutor
@@ -20,6 +21,9 @@ from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.media import VisionEncoderFn, local_vision_encoder
 from k3ray.engine.media_inputs import MultiModalConfig, load_media_config
 from k3ray.threads import set_threads
+from k3ray.tokenizer import load_tokenizer
+from k3ray.vision import has_vision_weights, load_vision
+from k3ray.weights import load_model
 
 
 def engine_config(args: ServeArgs) -> EngineConfig:
@@ -54,11 +58,6 @@ def multimodal_config(args: ServeArgs, vision: VisionConfig) -> MultiModalConfig
 
 def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Executor]:
     """args must be resolved (a checkpoint path). The model's cache is allocated here."""
-    from k3ray.device import resolve_device
-    from k3ray.tokenizer import load_tokenizer
-    from k3ray.vision import has_vision_weights, load_vision
-    from k3ray.weights import load_model
-
     path = args.model.model
     assert path is not None, "resolve() the args first"
     set_threads(args.engine.threads)
@@ -67,6 +66,7 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
     executor: Executor
     vision_encoder: VisionEncoderFn | None = None
     if args.distributed:
+        # lazy: Ray only for a distributed layout: `k3ray bench serve --engine` builds this engine in process
         from k3ray.actors.pipeline.executor import RayExecutor
 
         offset = 0 if placement_group is None else 1

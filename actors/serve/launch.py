@@ -13,16 +13,17 @@ import time
 from collections.abc import Iterator
 
 import ray
-from ray import serve
-from ray._private import ray_constants, services
-from ray.serve._private import build_app as serve_build_app
-from ray.serve._private import constants as serve_constants
-
 from k3ray.actors.cluster.node_environment import node_environment
 from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
 from k3ray.actors.serve.app import build_app
 from k3ray.actors.serve.config import APP_NAME, DEFAULT_INGRESS, LOOPBACK
 from k3ray.actors.serve.isolation import isolation_environment, make_runtime_dir, remove_runtime_dir
+from ray import serve
+from ray._private import ray_constants, services
+from ray.serve._private import build_app as serve_build_app
+from ray.serve._private import constants as serve_constants
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+from ray.serve.context import _disconnect, _get_global_client
 
 START_ATTEMPTS = 3
 
@@ -167,8 +168,6 @@ def stop(owns_ray: bool = True, name: str = APP_NAME) -> None:
 
 def app_status(name: str = APP_NAME) -> str | None:
     """The status of the app `name` (RUNNING, DEPLOYING, ...), None without Serve or the app."""
-    from ray.serve.context import _get_global_client
-
     if _get_global_client(raise_if_no_controller_running=False) is None:
         return None
     app = serve.status().applications.get(name)
@@ -188,9 +187,6 @@ def shutdown_serve(timeout_s: float = 60.0) -> None:
     only when the controller kills itself, so Ray logged `graceful_shutdown failed ... killed by
     ray.kill` on every clean stop. The controller is asked to shut down without that wait, and this
     waits for it (replicas, proxies, then itself) to be gone."""
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-    from ray.serve.context import _disconnect, _get_global_client
-
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
         return

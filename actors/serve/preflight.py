@@ -11,13 +11,13 @@ import socket
 
 from k3ray.actors.serve.config import ServeArgs
 
+from k3ray.tokenizer import load_tokenizer
+from k3ray.weights.checkpoint_dir import check_shard_files, open_weight_map, read_config
+
 
 def check_checkpoint(args: ServeArgs) -> None:
     """args must be resolved. Reads config.json, the safetensors index (or single file), each
     tensor file's header (against its size and the index) and the tokenizer, but no weights."""
-    from k3ray.tokenizer import load_tokenizer
-    from k3ray.weights.checkpoint_dir import check_shard_files, open_weight_map, read_config
-
     path = args.model.model
     assert path is not None, "resolve() the args first"
     if not os.path.isdir(path):
@@ -34,6 +34,7 @@ def replica_resources(args: ServeArgs) -> dict[str, float]:
     """CPUs and GPUs one replica holds (its own bundle plus its model actors'); args resolved."""
     if not args.distributed:
         return {"CPU": args.parallel.replica_cpus, "GPU": args.parallel.replica_gpus}
+    # lazy: torch (under the bundles) only for a distributed layout: the preflight takes seconds
     from k3ray.actors.serve.replica_bundles import replica_bundles
 
     total: dict[str, float] = {"CPU": 0.0, "GPU": 0.0}
@@ -63,6 +64,7 @@ def local_resources(num_cpus: float | None) -> dict[str, float]:
     """What a local Ray instance started with `num_cpus` (None: all) will have."""
     gpus = 0
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "":
+        # lazy: torch only to count local GPUs: the preflight takes seconds
         import torch
 
         gpus = torch.cuda.device_count()

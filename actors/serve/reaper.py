@@ -32,6 +32,7 @@ import tempfile
 import threading
 
 import psutil
+from k3ray.actors.serve.isolation import remove_stale_runtime_dirs
 
 MARK = "K3RAY_SERVE_MARK"
 STOPPED = b"stopped\n"
@@ -150,10 +151,10 @@ class Reaper:
 def delete_app(address: str, app: str) -> None:
     """Delete `app` on the cluster at `address` (serve_launch.delete_app), leaving every other app
     and Serve itself running."""
+    # lazy: Ray only to delete the app on a joined cluster: the reaper process starts in a blink
     import ray
-
-    from k3ray.actors.serve import launch as serve_launch
     from k3ray.actors.cluster.ray_connect import connect
+    from k3ray.actors.serve import launch as serve_launch
 
     connect(address=address, log_to_driver=False)
     try:
@@ -187,8 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     recorded: dict[int, float] = {}
     if os.getppid() == args.command and _watch_command(args.command, recorded):
         return 0
-    from k3ray.actors.serve.isolation import remove_stale_runtime_dirs
-
     left = stop_processes(leftovers(args.mark, recorded), grace_s=0)
     remove_stale_runtime_dirs()  # the command's (HAProxy's files), now that it is dead
     if left:

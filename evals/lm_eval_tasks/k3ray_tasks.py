@@ -13,6 +13,14 @@ from pathlib import Path
 
 import datasets
 
+from k3ray.default_model import default_checkpoint_dir
+from k3ray.evals.haystack import corpus_path
+from k3ray.evals.openai_target import OpenAITarget
+from k3ray.evals.scoring import score
+from k3ray.evals.tasks import get_task
+from k3ray.evals.tasks.base import Cell
+from k3ray.tokenizer import load_tokenizer
+
 HERE = Path(__file__).resolve().parent
 NIAH_DEFAULT_LENGTHS = (4096,)
 NIAH_DEFAULT_DEPTHS = (0.0, 50.0, 100.0)
@@ -30,8 +38,6 @@ def jsonl_dataset(data_file: str, **_) -> datasets.DatasetDict:
 
 def kjv_chapters(num_docs: int = 2, **_) -> datasets.DatasetDict:
     """The first `num_docs` chapters of the bundled public-domain haystack corpus, for perplexity."""
-    from k3ray.evals.haystack import corpus_path
-
     if int(num_docs) < 1:
         raise ValueError(f"num_docs must be >= 1, got {num_docs}")
     rows = datasets.load_dataset("json", data_files={"test": str(corpus_path())})
@@ -66,18 +72,12 @@ def counting_target(base_url: str | None = None, model: str | None = None, pretr
     """Who counts tokens for the NIAH prompts: the server's /tokenize (base_url), the tokenizer of
     a checkpoint (pretrained / tokenizer directory), or else the byte-level default."""
     if base_url:
-        from k3ray.evals.openai_target import OpenAITarget
-
         if not model:
             raise ValueError("k3ray_niah needs the served model name (model=...) next to base_url")
         return OpenAITarget(_server_root(base_url), model)
     directory = tokenizer or pretrained
     if directory is None:
-        from k3ray.default_model import default_checkpoint_dir
-
         directory = default_checkpoint_dir()
-    from k3ray.tokenizer import load_tokenizer
-
     return _TokenCounter(load_tokenizer(str(directory)), str(directory))
 
 
@@ -86,9 +86,6 @@ def niah_dataset(max_seq_lengths=NIAH_DEFAULT_LENGTHS, depths=NIAH_DEFAULT_DEPTH
                  tokenizer: str | None = None, **_) -> datasets.DatasetDict:
     """k3ray's NIAH grid (lengths x depths x samples) as lm-eval docs. Each prompt plus the
     generated tokens is exactly `length` tokens of the model's tokenizer (RULER's convention)."""
-    from k3ray.evals.tasks import get_task
-    from k3ray.evals.tasks.base import Cell
-
     lengths = [max_seq_lengths] if isinstance(max_seq_lengths, int) else list(max_seq_lengths)
     depth_list = [depths] if isinstance(depths, (int, float)) else list(depths)
     if not lengths or any(int(n) <= NIAH_MAX_GEN_TOKS for n in lengths):
@@ -110,6 +107,4 @@ def niah_dataset(max_seq_lengths=NIAH_DEFAULT_LENGTHS, depths=NIAH_DEFAULT_DEPTH
 
 def niah_process_results(doc: dict, results: list[str]) -> dict[str, float]:
     """RULER's string_match_all: the fraction of the needle values found in the answer."""
-    from k3ray.evals.scoring import score
-
     return {"string_match": score(results[0], doc["answers"], "all")}

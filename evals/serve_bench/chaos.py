@@ -22,6 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+import psutil
+import ray
+from k3ray.evals.serve_bench.server import auth_headers, local_serve_app, server_facts
+
+from k3ray.bench.common import machine
 from k3ray.threads import resolved_threads
 
 TARGETS = {"stage": "ray::PipelineStage", "shard": "ray::ExpertShard", "replica": "ServeReplica:k3ray:K3Server"}
@@ -59,19 +65,12 @@ def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("duration", "fault_every"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    from k3ray.evals.serve_bench.server import local_serve_app, server_facts
-
     with local_serve_app(serve_args(args.model, args.concurrency, resolved_threads(args.threads))) as url:
         model, _ = server_facts(url, None, api_key=args.api_key)
         return asyncio.run(_chaos(args, url, model))
 
 
 async def _chaos(args: argparse.Namespace, url: str, model: str) -> dict[str, Any]:
-    import httpx
-
-    from k3ray.bench.common import machine
-    from k3ray.evals.serve_bench.server import auth_headers
-
     limits = httpx.Limits(max_connections=args.concurrency + 1)
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits,
                                  headers=auth_headers(args.api_key)) as http:
@@ -166,9 +165,6 @@ def _recovered_s(at: float, next_at: float | None, outcomes: list[Outcome]) -> f
 
 def _processes(mark: str) -> list:
     """This Ray's processes whose command line starts with (actors) or holds (the replica) `mark`."""
-    import psutil
-    import ray
-
     gcs_flag = f"--gcs-address={ray.get_runtime_context().gcs_address}"
     found = []
     for proc in psutil.process_iter(["cmdline"]):
@@ -184,8 +180,6 @@ def _processes(mark: str) -> list:
 
 async def _greedy(http, model: str, prompt: str, max_tokens: int) -> Outcome:
     """One greedy completion -> its outcome."""
-    import httpx
-
     start = time.monotonic()
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     try:

@@ -19,8 +19,10 @@ import math
 import statistics
 from typing import Any
 
-from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
 from k3ray.evals.serve_bench import datasets
+
+from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
+from k3ray.bench.common import machine
 from k3ray.cli_flags import add_deprecated_alias
 from k3ray.threads import add_threads_argument, resolved_threads
 
@@ -58,6 +60,7 @@ def _rate(rate: float) -> float | str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.evals.serve_bench import ramp, shared_prefix
 
     parser.add_argument("--workload", choices=("levels", "ramp", "shared-prefix"), default="levels",
@@ -120,6 +123,7 @@ def _requests(args: argparse.Namespace, n: int, seed: int, token_range, tokenize
 
 async def _served(url: str, model: str, requests, offsets, concurrency, timeout,
                   api_key: str | None = None) -> tuple[list[RequestResult], float]:
+    # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.evals.serve_bench.client import RequestResult, open_session, stream_completion
     from k3ray.evals.serve_bench.load import arrival_offsets, run_load
 
@@ -128,13 +132,16 @@ async def _served(url: str, model: str, requests, offsets, concurrency, timeout,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.evals.serve_bench import metrics
 
     if args.workload == "ramp":
+        # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
         from k3ray.evals.serve_bench import ramp
 
         return ramp.run(args)
     if args.workload == "shared-prefix":
+        # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
         from k3ray.evals.serve_bench import shared_prefix
 
         return shared_prefix.run(args)
@@ -143,6 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     levels = _levels(args.concurrency)
     percentiles = _percentiles(args.metric_percentiles)
     slos = metrics.parse_goodput(args.goodput)
+    # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     for name in ("repeats", "input_len", "output_len", "num_prompts", "threads"):
@@ -157,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if args.endpoint is not None:
             return _bench(args, args.endpoint.rstrip("/"), levels, counts, percentiles, slos, serve_args)
+        # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
         from k3ray.evals.serve_bench.server import local_serve_app
 
         with local_serve_app(serve_args, ingress=args.ingress) as url:
@@ -169,6 +178,7 @@ def _engine(args: argparse.Namespace, serve_args: dict[str, Any]):
     """The served replica's engine, rebuilt in this process from the same settings."""
     if args.no_engine or (args.endpoint is not None and args.model is None):
         return None
+    # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.actors.serve.config import ServeArgs
     from k3ray.actors.serve.engine import build_engine
 
@@ -180,8 +190,8 @@ def _level(args, url, model, engine, batches, offsets, level, percentiles, slos)
     """Interleaved served / in-process runs of one level, one per batch of requests (fresh prompts
     each time, so no run reuses another's prefix cache): (its `levels` row, the served metrics of
     the median-throughput run, that run's per-request results)."""
+    # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.evals.serve_bench import metrics
-
     from k3ray.evals.serve_bench.engine_side import run_on_engine
 
     runs = []
@@ -202,15 +212,12 @@ def _level(args, url, model, engine, batches, offsets, level, percentiles, slos)
 
 
 def _bench(args, url, levels, counts, percentiles, slos, serve_args) -> dict[str, Any]:
+    # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     import httpx
-
     from k3ray.evals.serve_bench import metrics
-    from k3ray.evals.serve_bench.load import arrival_offsets, run_load
-    from k3ray.evals.serve_bench.server import auth_headers
-
-    from k3ray.bench.common import machine
     from k3ray.evals.serve_bench.engine_side import run_on_engine
-    from k3ray.evals.serve_bench.server import server_facts
+    from k3ray.evals.serve_bench.load import arrival_offsets, run_load
+    from k3ray.evals.serve_bench.server import auth_headers, server_facts
 
     model, tokenizer_info = server_facts(url, args.served_model_name, api_key=args.api_key)
     engine = _engine(args, serve_args)

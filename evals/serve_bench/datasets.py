@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from k3ray.evals.extra import require_eval_extra
+from k3ray.evals.haystack import load_corpus
+
 DATASETS = ("random", "long")
 
 
@@ -48,8 +51,7 @@ def random_requests(num: int, input_len: int, output_len: int, token_range: tupl
 
 def long_requests(num: int, input_len: int, output_len: int, tokenize: Callable[[str], list[int]],
                   range_ratio: float = 0.0, seed: int = 0, corpus: str | None = None) -> list[BenchRequest]:
-    from k3ray.evals.haystack import load_corpus
-
+    require_eval_extra("--dataset long", needed=("datasets",))  # the haystack is read through `datasets`
     text = load_corpus(corpus)
     rng = np.random.default_rng(seed)
     inputs = sample_lengths(rng, input_len, range_ratio, num)

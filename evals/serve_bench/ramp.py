@@ -25,6 +25,15 @@ import time
 from typing import Any
 
 import numpy as np
+from k3ray.actors.serve.config import APP_NAME
+from k3ray.evals.serve_bench import datasets
+from k3ray.evals.serve_bench.client import open_session, stream_completion
+from k3ray.evals.serve_bench.load import run_load
+from k3ray.evals.serve_bench.server import local_serve_app, server_facts
+from ray import serve
+
+from k3ray.bench.common import machine
+from k3ray.threads import resolved_threads
 
 POLICIES = ("llm", "ongoing-requests")
 INPUT_LEN, OUTPUT_LEN = 2048, 8  # defaults: prompts long enough that their tokens, not their count, are the load
@@ -91,10 +100,6 @@ class ReplicaWatch:
         self._thread.join()
 
     def _poll(self) -> None:
-        from ray import serve
-
-        from k3ray.actors.serve.config import APP_NAME
-
         while not self._stop.is_set():
             states = serve.status().applications[APP_NAME].deployments["K3Server"].replica_states
             self.timeline.append((time.perf_counter() - self.start, states.get("RUNNING", 0), sum(states.values())))
@@ -110,8 +115,6 @@ class ReplicaWatch:
 
 
 def serve_args(args: argparse.Namespace, policy: str, input_len: int, output_len: int) -> dict[str, Any]:
-    from k3ray.threads import resolved_threads
-
     autoscaling = {**AUTOSCALING, "autoscale_policy": policy, "autoscale_ttft_ms": args.ttft_slo_ms,
                    "autoscale_queued_tokens": args.autoscale_queued_tokens}
     return {"model": {"model": args.model}, "autoscaling": autoscaling,
@@ -124,10 +127,6 @@ def serve_args(args: argparse.Namespace, policy: str, input_len: int, output_len
 
 def run_policy(args: argparse.Namespace, policy: str, offsets: list[float], make_requests) -> dict[str, Any]:
     """One policy's run on a fresh app: its replicas over time and its requests' TTFTs."""
-    from k3ray.evals.serve_bench.client import open_session, stream_completion
-    from k3ray.evals.serve_bench.load import run_load
-    from k3ray.evals.serve_bench.server import local_serve_app, server_facts
-
     input_len, output_len = args.input_len, args.output_len
     with local_serve_app(serve_args(args, policy, input_len, output_len), ingress=args.ingress) as url:
         model, tokenizer_info = server_facts(url, args.served_model_name)
@@ -160,9 +159,6 @@ def run_policy(args: argparse.Namespace, policy: str, offsets: list[float], make
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from k3ray.bench.common import machine
-    from k3ray.evals.serve_bench import datasets
-
     if args.endpoint is not None:
         raise ValueError("--workload ramp starts its own app per policy (it compares two autoscaling policies); "
                          "drop --endpoint")

@@ -27,6 +27,7 @@ def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
 def local_serve_app(serve_args: dict, port: int | None = None, ingress: str = "haproxy") -> Iterator[str]:
     """Start a private Ray instance and Serve (with `ingress` in front) on loopback, deploy the app,
     yield its URL; then stop Serve and Ray again."""
+    # lazy: Ray and the Serve app only for a local server: --endpoint runs go without them
     import ray
 
     from k3ray.actors.serve import launch as serve_launch

@@ -25,6 +25,18 @@ from typing import Any
 
 import httpx
 import numpy as np
+from k3ray.actors.serve import launch as serve_launch
+from k3ray.actors.serve.config import APP_NAME
+from k3ray.actors.serve.haproxy_wrapper import announced_listeners
+from k3ray.actors.serve.ingress_routing import haproxy_routes_through_router
+from k3ray.actors.serve.metrics_listener import runtime_dir
+from k3ray.evals.serve_bench.client import open_session, stream_completion
+from k3ray.evals.serve_bench.datasets import BenchRequest, ordinary_token_range
+from k3ray.evals.serve_bench.server import server_facts, wait_healthy
+from prometheus_client.parser import text_string_to_metric_families
+
+from k3ray.bench.common import machine
+from k3ray.threads import resolved_threads
 
 INPUT_LEN, OUTPUT_LEN = 1024, 4  # defaults: a first prompt whose prefill dominates a turn's TTFT
 CONFIGS = {"affinity": (2, "affinity"), "default": (2, "default"), "single_replica": (1, "default")}
@@ -43,8 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def conversations(count: int, turns: int, first_len: int, turn_len: int, output_len: int,
                   token_range: tuple[int, int], seed: int) -> list[list]:
     """`count` conversations of `turns` requests, each prompt extending the one before."""
-    from k3ray.evals.serve_bench.datasets import BenchRequest
-
     low, high = token_range
     out = []
     for c in range(count):
@@ -62,8 +72,6 @@ async def run_conversations(url: str, model: str, convs: list[list], timeout: fl
                             api_key: str | None, start_gap_s: float = 0.0) -> list:
     """Conversation c starts after c * start_gap_s seconds, each turn after the one before: the
     RequestResults, in order."""
-    from k3ray.evals.serve_bench.client import open_session, stream_completion
-
     async with open_session(len(convs), timeout, api_key) as session:
         async def turns(index, requests):
             await asyncio.sleep(index * start_gap_s)
@@ -76,12 +84,6 @@ async def run_conversations(url: str, model: str, convs: list[list], timeout: fl
 def prefix_counters(replicas: int, timeout_s: float = 60.0) -> tuple[float, float]:
     """(prefix-cache hit tokens, looked-up tokens) summed over the app's `replicas` live replicas,
     from each replica's metrics listener (announced in the server's runtime folder)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from k3ray.actors.serve.haproxy_wrapper import announced_listeners
-    from k3ray.actors.serve.metrics_listener import runtime_dir
-    from k3ray.actors.serve.config import APP_NAME
-
     deadline = time.monotonic() + timeout_s
     while len(ports := announced_listeners(runtime_dir()).get(APP_NAME, [])) != replicas:
         if time.monotonic() > deadline:
@@ -100,11 +102,6 @@ def prefix_counters(replicas: int, timeout_s: float = 60.0) -> tuple[float, floa
 def measure(args, serve_args: dict, name: str, lengths: tuple[int, int]) -> dict[str, Any]:
     """Deploy one configuration, warm it up, run the workload (the same for every configuration):
     its hit rate and TTFTs. lengths: (first prompt, reply) tokens."""
-    from k3ray.actors.serve import launch as serve_launch
-    from k3ray.actors.serve.ingress_routing import haproxy_routes_through_router
-    from k3ray.evals.serve_bench.datasets import ordinary_token_range
-    from k3ray.evals.serve_bench.server import server_facts, wait_healthy
-
     replicas, router = CONFIGS[name]
     app_args = {**serve_args, "autoscaling": {"min_replicas": replicas, "max_replicas": replicas},
                 "routing": {"request_router": router, "routing_stats_period_s": 1.0}}
@@ -139,10 +136,6 @@ def measure(args, serve_args: dict, name: str, lengths: tuple[int, int]) -> dict
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from k3ray.actors.serve import launch as serve_launch
-    from k3ray.bench.common import machine
-    from k3ray.threads import resolved_threads
-
     if args.endpoint is not None:
         raise ValueError("--workload shared-prefix starts its own apps (two replicas, then one); drop --endpoint")
     for name in ("conversations", "turns", "turn_len"):

@@ -20,7 +20,10 @@ import time
 from collections import Counter
 from typing import Any
 
+import psutil
+
 from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
+from k3ray.bench.common import machine
 from k3ray.cli_flags import add_deprecated_alias
 from k3ray.threads import add_threads_argument, resolved_threads
 
@@ -54,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.chaos:
+        # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
         from k3ray.evals.serve_bench.chaos import run_chaos
 
         return run_chaos(args)
@@ -63,6 +67,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"{flag} must be >= 1, got {getattr(args, name)}")
     if args.endpoint is not None:
         return _soak(args, args.endpoint.rstrip("/"), local=False)
+    # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.evals.serve_bench.server import local_serve_app
 
     serve_args: dict[str, Any] = {"engine": {"max_num_seqs": max(8, args.concurrency),
@@ -75,8 +80,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def replica_rss_mb() -> float:
     """Resident MB of this machine's Serve replicas and their children (engine processes)."""
-    import psutil
-
     total = 0
     for proc in psutil.process_iter(["cmdline"]):
         if REPLICA_MARK in " ".join(proc.info["cmdline"] or []):
@@ -89,7 +92,7 @@ def replica_rss_mb() -> float:
 
 
 def _soak(args: argparse.Namespace, url: str, local: bool) -> dict[str, Any]:
-    from k3ray.bench.common import machine
+    # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.evals.serve_bench.server import server_facts
 
     model, _ = server_facts(url, args.served_model_name, api_key=args.api_key)
@@ -109,8 +112,8 @@ def _soak(args: argparse.Namespace, url: str, local: bool) -> dict[str, Any]:
 
 
 async def _drive(args, url: str, model: str, local: bool) -> tuple[Counter, list, float]:
+    # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     import httpx
-
     from k3ray.evals.serve_bench.server import auth_headers
 
     outcomes: Counter = Counter()
@@ -143,6 +146,7 @@ async def _drive(args, url: str, model: str, local: bool) -> tuple[Counter, list
 
 async def _one(http, model: str, kind: str, i: int, max_tokens: int) -> str:
     """One request; "ok" or the type of its failure."""
+    # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     import httpx
 
     sampling = {"model": model, "max_tokens": max_tokens, "temperature": 0.7, "seed": i}

@@ -48,6 +48,7 @@ class JsonlTask(Task):
 
 
 def load_jsonl_task(path: str | Path, name: str | None = None) -> JsonlTask:
+    # lazy: datasets (the eval extra, seconds to import) only when a task file is read
     import datasets
 
     path = Path(path)

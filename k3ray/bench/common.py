@@ -19,6 +19,7 @@ def under_torch(mode: str) -> Callable[[Callable], Callable]:
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
             import torch
 
             with getattr(torch, mode)():
@@ -30,6 +31,7 @@ def under_torch(mode: str) -> Callable[[Callable], Callable]:
 
 
 def machine() -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     info: dict[str, Any] = {

@@ -33,6 +33,7 @@ def launch_modules(ops: list[str]) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: triton and the offline compiler stay out of `k3ray bench --help`
     import triton
 
     from k3ray.kernels.offline_compile import H200, profile_launches

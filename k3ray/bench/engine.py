@@ -33,9 +33,10 @@ from typing import Any, Iterator
 import psutil
 
 from k3ray.bench.common import machine
+from k3ray.bench.model import graph_decode_seconds
 from k3ray.cli_flags import add_deprecated_alias
-from k3ray.model_source import add_random_model_argument, model_config
 from k3ray.device_flags import add_device_argument, add_dtype_argument, add_enforce_eager_argument
+from k3ray.model_source import add_random_model_argument, model_config
 from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "continuous batching, prefix caching, speculative decoding, long prompts"
@@ -73,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.device import resolve_device
@@ -104,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -115,6 +118,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 
 def bench_batching(model, args) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.engine import LLM, SamplingParams
 
     prompts = _prompts(args.concurrency, args.batch_prompt_tokens, 0)
@@ -141,6 +145,7 @@ def bench_batching(model, args) -> dict[str, Any]:
 @contextlib.contextmanager
 def _forward_seconds(llm) -> Iterator[list[float]]:
     """Within the block, the seconds of each executor.execute call (the forward), synchronised on CUDA."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     executor = llm.engine.executor
@@ -165,9 +170,9 @@ def _forward_seconds(llm) -> Iterator[list[float]]:
 def bench_graphs(model, args) -> dict[str, Any]:
     """CUDA only: engine decode at `concurrency` streams with CUDA graphs, against the same engine
     eager and against the bare captured-graph forward of the same batch (no scheduler, no sampler)."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
-    from k3ray.bench.model import graph_decode_seconds
     from k3ray.engine import LLM, SamplingParams
 
     streams, steps = args.concurrency, args.graph_max_tokens
@@ -192,6 +197,7 @@ def bench_graphs(model, args) -> dict[str, Any]:
 
 
 def bench_prefix(model, args) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.engine import LLM, SamplingParams
 
     n, shared = args.prefix_prompt_tokens, int(args.prefix_prompt_tokens * args.prefix_shared)
@@ -220,6 +226,7 @@ def _snapshots_per_prompt(tokens: int, args) -> int:
 def bench_prefix_scan(model, args) -> dict[str, Any]:
     """A shared prefix that served a hit, then unrelated prompts whose snapshots overflow the spare
     slots twice over: how much of the prefix the next prompt sharing it resumes."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.engine import LLM, SamplingParams
 
     n, shared = args.prefix_prompt_tokens, int(args.prefix_prompt_tokens * args.prefix_shared)
@@ -244,6 +251,7 @@ def bench_prefix_scan(model, args) -> dict[str, Any]:
 def bench_prefix_first_half(model, args) -> dict[str, Any]:
     """A prompt with four times as many snapshots as spare slots, then one sharing its first half:
     how much of the half it resumes."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.engine import LLM, SamplingParams
 
     n = 4 * args.prefix_prompt_tokens
@@ -259,6 +267,7 @@ def bench_prefix_first_half(model, args) -> dict[str, Any]:
 
 
 def bench_spec(args) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
@@ -288,6 +297,7 @@ def bench_spec(args) -> dict[str, Any]:
 
 
 def bench_long_prompt(model, args) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.engine import LLM, SamplingParams

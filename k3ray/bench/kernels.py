@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _synced(fn: Callable[[], Any], device: str) -> Callable[[], Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     if not device.startswith("cuda"):
@@ -127,14 +128,16 @@ def _op_modules(ops: list[str]) -> list[Any]:
 
 def compare_with_fla_naive_chunk(heads: int, repeats: int, T: int = 4096, K: int = 128) -> dict[str, Any] | None:
     """fla naive_chunk_kda seconds / ours on CPU, interleaved, medians; None without fla-core."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from fla.ops.kda.naive import naive_chunk_kda  # test-only dependency: optional here
+            from fla.ops.kda.naive import naive_chunk_kda  # lazy: fla-core is a test-only dependency, optional here
     except ImportError:
         return None
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.kernels.kda.bench import make_inputs
     from k3ray.kernels.kda.dispatch import chunk_kda
 
@@ -156,6 +159,7 @@ def compare_with_fla_naive_chunk(heads: int, repeats: int, T: int = 4096, K: int
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     device = args.device

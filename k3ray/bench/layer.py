@@ -74,6 +74,7 @@ def random_layer(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device
     """The decoder layer, built on `device`: dense weights as the tiny models draw them, routed
     experts as random MXFP4 bytes with a scale that gives them the same spread (quantising 896
     random experts would take minutes)."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
     from torch import nn
 
@@ -96,6 +97,7 @@ def random_layer(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device
 
 
 def _random_mxfp4(experts: LocalExperts, seed: int) -> None:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.models.moe import PROJECTIONS
@@ -137,6 +139,7 @@ def _cache_bytes(cache: ModelCache, layer_idx: int, batch: int, tokens: int, con
 
 def _step_inputs(config: ModelConfig, layer_idx: int, tokens: int, dtype, device, gen):
     """(prefix [T, D], bank: the finished blocks [T, D] each) as the layer receives them."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     D = config.hidden_size
@@ -148,6 +151,7 @@ def _step_inputs(config: ModelConfig, layer_idx: int, tokens: int, dtype, device
 def _cache(config: ModelConfig, layer_idx: int, seqs: int, context: int, dtype, device, gen) -> tuple:
     """A cache for `seqs` sequences of `context` tokens over this one layer, its states and latents
     random (a decode step reads a full context; a prefill overwrites it), and their block tables."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.models.forward_batch import ForwardBatch, ModelCache
@@ -162,6 +166,7 @@ def _cache(config: ModelConfig, layer_idx: int, seqs: int, context: int, dtype, 
 
 
 def _time(layer: DecoderLayer, prefix, bank, batch: ForwardBatch, device: torch.device, repeats: int) -> float:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     def step() -> None:
@@ -182,6 +187,7 @@ def _row(kind: str, phase: str, batch: int, context: int, tokens: int, seconds: 
 @under_torch("inference_mode")
 def bench_kind(config: ModelConfig, kind: str, dtype, device: torch.device, prefill_tokens: int,
                decode_batches: list[int], context: int, repeats: int) -> list[dict[str, Any]]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.models.forward_batch import ForwardBatch, ModelCache
@@ -216,6 +222,7 @@ def bench_kind(config: ModelConfig, kind: str, dtype, device: torch.device, pref
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.device import resolve_device
@@ -249,6 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _e2m1_rms() -> float:
     """RMS of uniformly random E2M1 codes."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.kernels.moe.mxfp4 import E2M1_VALUES
 
     return math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))

@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _sync(device: torch.device) -> None:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     if device.type == "cuda":
@@ -39,6 +40,7 @@ def _sync(device: torch.device) -> None:
 def _prefill(model, ids: torch.Tensor, n_seqs: int, device: torch.device,
              room: int = 256) -> tuple[ModelCache, torch.Tensor]:
     """n_seqs copies of ids prefilled into a fresh cache with room for `room` more tokens each."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.models.forward_batch import ForwardBatch, ModelCache
@@ -57,6 +59,7 @@ def _prefill(model, ids: torch.Tensor, n_seqs: int, device: torch.device,
 
 
 def _decode_eager(model, ids: torch.Tensor, bsz: int, steps: int, device: torch.device) -> None:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.models.forward_batch import ForwardBatch, ModelCache
@@ -74,6 +77,7 @@ def _decode_eager(model, ids: torch.Tensor, bsz: int, steps: int, device: torch.
 def graph_decode_seconds(model, ids: torch.Tensor, bsz: int, steps: int, device: torch.device) -> float:
     """Seconds for `steps` decode steps of bsz copies of ids replayed from a captured CUDA graph
     (prefill and capture not counted)."""
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.engine.cuda_graphs import DecodeGraphs
@@ -92,6 +96,7 @@ def graph_decode_seconds(model, ids: torch.Tensor, bsz: int, steps: int, device:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
     from k3ray.device import resolve_device

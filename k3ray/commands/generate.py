@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 from k3ray.device_flags import add_device_argument, add_dtype_argument
-from k3ray.threads import add_threads_argument
+from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "generate text in this process from a checkpoint"
 
@@ -25,12 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import time
-
+    # lazy: torch and the model stay out of CLI startup (`k3ray --help`)
     import torch
 
     from k3ray.api import K3
-    from k3ray.threads import set_threads
 
     set_threads(args.threads)
     k3 = K3.load(args.model, dtype=getattr(torch, args.dtype), device=args.device, tokenizer=args.tokenizer)

@@ -48,7 +48,7 @@ def _parse_len(text: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from k3ray.info import sequence_memory, summarize  # torch: imported only when the command runs
+    from k3ray.info import sequence_memory, summarize  # lazy: torch stays out of CLI startup (`k3ray --help`)
 
     config = model_config(model_argument(args))
     s = summarize(config)

@@ -6,8 +6,10 @@ import argparse
 import dataclasses
 import json
 
+from k3ray.capacity import GIB, PlanRequest, latent_bytes_per_token, layer_costs_mismatch, plan, predict_throughput
 from k3ray.cli_flags import add_deprecated_alias
 from k3ray.commands.info import _parse_len, add_format_argument, add_model_config_arguments, model_argument
+from k3ray.config import PRESETS
 from k3ray.model_source import model_config
 
 HELP = "size a deployment: actor layout, devices and memory per actor"
@@ -37,8 +39,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from k3ray.capacity import GIB, PlanRequest, plan
-
     req = PlanRequest(
         config=model_config(model_argument(args)),
         device=args.device_type.upper() if args.device_type.lower() != "cpu" else "CPU",
@@ -91,8 +91,6 @@ def main(args: argparse.Namespace) -> int:
 def _prediction(p, path: str, extrapolate: bool):
     """(the throughput predicted from a `k3ray bench layer --json` file, None or what it was measured
     for when that is not the plan's model and device type: then only with --extrapolate)."""
-    from k3ray.capacity import latent_bytes_per_token, layer_costs_mismatch, predict_throughput
-    from k3ray.config import PRESETS
 
     with open(path) as f:
         data = json.load(f)

@@ -30,11 +30,11 @@ from collections.abc import Sequence as Seq
 from contextlib import aclosing
 from multiprocessing.connection import Connection
 
-from k3ray.engine.engine_core_proc import recv, send
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.errors import ModelUnavailableError
 from k3ray.engine.output_delta import DeltaDecoder
 from k3ray.engine.outputs import RequestOutput, follow
+from k3ray.engine.pipe import recv, send
 from k3ray.engine.stats import EngineStats
 from k3ray.sampling_params import SamplingParams
 from k3ray.vision import ProcessedMedia

@@ -24,21 +24,12 @@ from multiprocessing.connection import Connection
 
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.output_delta import DeltaEncoder
+from k3ray.engine.pipe import recv, send
 from k3ray.engine.step_or_abort import step_or_abort
 
 
 # steps without outputs (a long prefill) still report the stats this often, for admission and metrics
 STATS_EVERY_S = 0.25
-
-
-def send(conn: Connection, message) -> None:
-    """Plain pickle: multiprocessing's pickler would pass tensors as shared-memory handles that
-    only a multiprocessing-spawned peer can open."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def recv(conn: Connection):
-    return pickle.loads(conn.recv_bytes())
 
 
 def portable(error: BaseException) -> BaseException:

@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 import psutil
 
 from k3ray.engine.config import EngineConfig
-from k3ray.engine.engine_core_proc import recv, send
+from k3ray.engine.pipe import recv, send
 from k3ray.sampling_params import StructuredOutputsParams
 
 POLL_S = 0.02  # how often a compile's time and memory are checked
@@ -200,6 +200,7 @@ class GrammarCompiler:
         does it on its watching thread unless it was done before)."""
         with self._outputs_lock:
             if self._outputs is None:
+                # lazy: xgrammar (and transformers under it) only once a request asks for structured output
                 from k3ray.engine.structured_output import StructuredOutputs, encoded_vocab
 
                 self._vocab = encoded_vocab(self._tokenizer, self._vocab_size)

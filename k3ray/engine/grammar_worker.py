@@ -17,7 +17,8 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from k3ray.engine.engine_core_proc import recv, send
+from k3ray.engine.pipe import recv, send
+from k3ray.engine.structured_output import StructuredOutputs
 
 PARENT_CHECK_S = 1.0
 
@@ -29,8 +30,6 @@ def main(argv: list[str]) -> int:
         vocab, stop_token_ids = recv(conn)
     except (EOFError, OSError):
         return 1
-    from k3ray.engine.structured_output import StructuredOutputs
-
     outputs = StructuredOutputs(vocab, stop_token_ids)
     send(conn, ("ready",))
     while True:

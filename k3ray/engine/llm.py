@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from k3ray.default_model import checkpoint_dir
 from k3ray.device import DeviceLike, resolve_device
 from k3ray.engine.config import EngineConfig, SpeculativeConfig
 from k3ray.engine.executor import LocalExecutor
@@ -38,7 +39,9 @@ from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.stats import EngineStats
 from k3ray.models.k3 import K3ForCausalLM
 from k3ray.sampling_params import SamplingParams
+from k3ray.tokenizer.load import tokenizer_for
 from k3ray.vision import K3VisionModel, MediaConfig, ProcessedMedia, has_vision_weights, load_vision
+from k3ray.weights.loader import load_model
 
 PromptType = str | Seq[int] | dict
 
@@ -175,8 +178,6 @@ class LLM:
 
 
 def _checkpoint_dir(model) -> str | os.PathLike:
-    from k3ray.checkpoints import checkpoint_dir
-
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be None, a checkpoint directory or a K3ForCausalLM, got {type(model).__name__}")
     return checkpoint_dir(model)
@@ -184,12 +185,8 @@ def _checkpoint_dir(model) -> str | os.PathLike:
 
 def _load(model, dtype: torch.dtype, device: torch.device, tokenizer=None):
     """(model on device, the tokenizer: given, loaded from a given directory, found beside the model or None)."""
-    from k3ray.tokenizer.load import tokenizer_for
-
     if isinstance(model, K3ForCausalLM):
         return model.to(device), tokenizer_for(None, tokenizer)
-    from k3ray.weights import load_model
-
     model = _checkpoint_dir(model)
     return load_model(model, dtype=dtype, device=device), tokenizer_for(model, tokenizer)
 

@@ -21,6 +21,7 @@ import torch
 from k3ray.engine.cache_manager import CacheManager, cache_bytes_for, size_cache
 from k3ray.engine.config import EngineConfig
 from k3ray.engine.executor import Executor
+from k3ray.engine.grammar_compiler import GrammarCompiler, GrammarLimits
 from k3ray.engine.logits_processors import process_logits
 from k3ray.engine.media import PromptMedia, VisionEncoderFn, attach_media, encode_pending
 from k3ray.engine.media_inputs import MultiModalConfig
@@ -184,8 +185,6 @@ class LLMEngine:
         """The grammar compiler over this engine's vocabulary (its workers and compiled-grammar cache),
         started by the first constrained request."""
         if self._grammars is None:
-            from k3ray.engine.grammar_compiler import GrammarCompiler, GrammarLimits
-
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.output_processor.eos_token_ids,
                                              GrammarLimits.of(self.config))
             self._close_grammars = weakref.finalize(self, self._grammars.close)

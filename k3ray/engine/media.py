@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from k3ray.config import VisionConfig
-from k3ray.vision import ProcessedMedia, checked_grid, expand_placeholders, media_token_count
+from k3ray.vision import ProcessedMedia, checked_grid, encode_media, expand_placeholders, media_token_count
 
 # (pixel_values [P, 3, p, p], grid_thws [C, 3]) -> [n_tokens, text_hidden]: encode_media over an
 # in-process K3VisionModel, or a VisionEncoder actor
@@ -105,8 +105,6 @@ def encode_pending(encoder: VisionEncoderFn, pending: Sequence[PromptMedia], hid
 
 def local_vision_encoder(model) -> VisionEncoderFn:
     """The encoder callable over an in-process K3VisionModel."""
-    from k3ray.vision import encode_media
-
     def encode(pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         return encode_media(model, pixel_values, grid_thws)
 

@@ -6,6 +6,7 @@ import time
 
 from k3ray.engine.outputs import PositionLogprobs
 from k3ray.engine.sequence import Sequence, SequenceStatus
+from k3ray.tokenizer import IncrementalDetokenizer, stop_prefix_len, truncate_at_stop
 
 
 class OutputProcessor:
@@ -17,8 +18,6 @@ class OutputProcessor:
     def new_detokenizer(self, skip_special_tokens: bool):
         if self.tokenizer is None:
             return None
-        from k3ray.tokenizer import IncrementalDetokenizer
-
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens)
 
     def append(self, seq: Sequence, token: int, logprobs: PositionLogprobs | None) -> bool:
@@ -46,8 +45,6 @@ class OutputProcessor:
 
     def _push_text(self, seq: Sequence, token: int) -> bool:
         """Stream the token's text; a stop string ends the sequence and is cut from the text."""
-        from k3ray.tokenizer import stop_prefix_len, truncate_at_stop
-
         params = seq.params
         checked = len(seq.full_text)
         seq.full_text += seq.detokenizer.push(token)

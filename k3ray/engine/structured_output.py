@@ -32,7 +32,7 @@ import torch
 import xgrammar as xgr
 from xgrammar import structural_tag as tag
 
-from k3ray.engine.strict_json import FIELD, checked_schema, schema_with_placeholders, splice
+from k3ray.strict_json import FIELD, checked_schema, schema_with_placeholders, splice
 from k3ray.sampling_params import StructuredOutputsParams, ToolCallsFormat, tool_schema_field
 
 ANY_OBJECT = '{"type": "object"}'

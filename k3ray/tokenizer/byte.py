@@ -70,7 +70,7 @@ class ByteTokenizer(Tokenizer):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """tokenizer_config.json (which k3ray reads) and tokenizer.json: a Hugging Face fast tokenizer."""
-        from k3ray.tokenizer.hf_files import save_hf_files  # imports `tokenizers`
+        from k3ray.tokenizer.hf_files import save_hf_files  # lazy: `tokenizers` only to write tokenizer.json
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

@@ -133,7 +133,7 @@ def copy_from_shard(
     """Copy each (checkpoint name, target tensor) of `targets` from the shard `file`, once the tensor
     is there with the target's exact shape and `check_dtype(name, tensor, target)` has not raised.
     Tensors are read one at a time straight onto the targets' device (never the whole shard)."""
-    import torch
+    import torch  # lazy: serve's preflight reads a checkpoint's index and headers before torch loads
 
     device = str(targets[0][1].device) if targets else "cpu"
     with open_shard(file, "pt", device) as f, torch.no_grad():

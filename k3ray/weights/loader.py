@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3ray.checkpoints import checkpoint_dir
+from k3ray.checkpoints import resolve_shipped
 from k3ray.config import ModelConfig
 from k3ray.device import DeviceLike, resolve_device
 from k3ray.models.init import build_model
@@ -90,9 +90,10 @@ def load_model(
     expert_range: tuple[int, int] | None = None,
     device: DeviceLike = "cpu",
 ) -> K3ForCausalLM:
-    """Build the model (or slice) described by `path/config.json` on `device` ("auto", "cpu",
-    "cuda", "cuda:N") and load its weights straight onto it (MXFP4 experts stay packed)."""
-    path = checkpoint_dir(path)
+    """Build the model (or slice) described by `path/config.json` (`path` may name a shipped checkpoint)
+    on `device` ("auto", "cpu", "cuda", "cuda:N") and load its weights straight onto it (MXFP4 experts
+    stay packed)."""
+    path = resolve_shipped(path)
     config = read_config(path)
     model = build_model(config, dtype, seed=None, device=resolve_device(device), layer_range=layer_range,
                         expert_range=expert_range)

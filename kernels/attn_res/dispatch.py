@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3ray.kernels.attn_res.attn_res_cpu import attn_res_rmsnorm_cpu
+from k3ray.kernels.attn_res.attn_res_triton import attn_res_rmsnorm_triton
 
 
 def _check(sources: torch.Tensor, *weights: torch.Tensor) -> None:
@@ -21,8 +22,6 @@ def _check(sources: torch.Tensor, *weights: torch.Tensor) -> None:
 
 def _impl(sources, proj_weight, res_norm_weight, out_norm_weight, eps):
     if sources.is_cuda:
-        from k3ray.kernels.attn_res.attn_res_triton import attn_res_rmsnorm_triton
-
         return attn_res_rmsnorm_triton(sources, proj_weight, res_norm_weight, out_norm_weight, eps)
     return attn_res_rmsnorm_cpu(sources, proj_weight, res_norm_weight, out_norm_weight, eps)
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import torch
 
 from k3ray.kernels.mla.decode_cpu import mla_decode_cpu
+from k3ray.kernels.mla.decode_triton import mla_decode_triton
 from k3ray.kernels.mla.prefill_cpu import mla_prefill_cpu
 from k3ray.kernels.mla.prefill_paged_chunked import mla_prefill_paged_chunked
 from k3ray.kernels.mla.prefill_paged_cpu import mla_prefill_paged_cpu
+from k3ray.kernels.mla.prefill_triton import mla_prefill_triton
 
 
 def mla_prefill(
@@ -33,8 +35,6 @@ def mla_prefill(
             f"and {list(cu_seqlens_k.shape)}"
         )
     if q.is_cuda:
-        from k3ray.kernels.mla.prefill_triton import mla_prefill_triton
-
         return mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     return mla_prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
 
@@ -65,8 +65,6 @@ def mla_decode(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if q_latent.is_cuda:
-        from k3ray.kernels.mla.decode_triton import mla_decode_triton
-
         return mla_decode_triton(q_latent, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
     return mla_decode_cpu(q_latent, cache, block_tables, context_lens, block_size, kv_lora_rank, scale)
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 from k3ray.kernels.moe.experts_cpu import moe_experts_cpu
+from k3ray.kernels.moe.experts_triton import moe_experts_triton
 from k3ray.kernels.moe.mxfp4 import GROUP
 from k3ray.kernels.moe.naive import naive_select_experts
+from k3ray.kernels.moe.select_experts_triton import select_experts_triton
 
 
 def select_experts(
@@ -20,8 +22,6 @@ def select_experts(
     if not 0 < top_k <= logits.shape[1]:
         raise ValueError(f"top_k must be in [1, {logits.shape[1]}], got {top_k}")
     if logits.is_cuda:
-        from k3ray.kernels.moe.select_experts_triton import select_experts_triton
-
         return select_experts_triton(logits, bias, top_k, renormalize, scaling)
     return naive_select_experts(logits, bias, top_k, renormalize, scaling)  # one topk over [T, E]: already vectorised
 
@@ -58,7 +58,5 @@ def moe_experts(h, ids, weights, w1, w3, w2, beta: float, linear_beta: float, ex
             f"ids and weights must both be [{h.shape[0]}, k]; got {list(ids.shape)} and {list(weights.shape)}"
         )
     if h.is_cuda:
-        from k3ray.kernels.moe.experts_triton import moe_experts_triton
-
         return moe_experts_triton(h, ids, weights, w1, w3, w2, beta, linear_beta, expert_offset)
     return moe_experts_cpu(h, ids, weights, w1, w3, w2, beta, linear_beta, expert_offset, every_expert_weights)

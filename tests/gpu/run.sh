@@ -36,8 +36,8 @@ step() {
 }
 
 site=$(mktemp -d /tmp/k3ray-site.XXXX)
-work=$(mktemp -d /tmp/k3ray-gpu.XXXX)  # only tests/ and pyproject.toml: k3ray comes from the wheel
-cp -r "$root/tests" "$root/pyproject.toml" "$work/"
+work=$(mktemp -d /tmp/k3ray-gpu.XXXX)  # only tests/, training/ and pyproject.toml: k3ray comes from the wheel
+cp -r "$root/tests" "$root/training" "$root/pyproject.toml" "$work/"
 export PYTHONPATH=$site K3RAY_TEST_GPU=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 cd "$work"
 
@@ -47,7 +47,7 @@ step install 60 "$py" -m pip install -q --no-index --no-deps --target "$site" "$
   "$py" -c 'import sys, torch, triton, k3ray; print(sys.version); print("k3ray from", k3ray.__file__); print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
 } >"$out/env.txt" 2>&1
 k3ray=("$py" -m k3ray.cli)
-step pytest_gpu 200 "$py" -m pytest -m gpu tests/kernels tests/k3ray tests/gpu -q -p no:cacheprovider \
+step pytest_gpu 200 "$py" -m pytest -m gpu tests/kernels tests/k3ray tests/gpu tests/training -q -p no:cacheprovider \
   --continue-on-collection-errors --junitxml "$out/pytest.xml"
 step bench_layer 110 "${k3ray[@]}" bench layer --model k3 --device cuda --json "$out/bench_layer.json"
 step bench_engine 70 "${k3ray[@]}" bench engine --device cuda --skip long --json "$out/bench_engine.json"

@@ -6,7 +6,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from k3ray.checkpoints import checkpoint_dir
+from k3ray.default_model import checkpoint_dir
 from k3ray.tokenizer import ByteTokenizer, load_tokenizer
 from k3ray.tokenizer import special as sp
 

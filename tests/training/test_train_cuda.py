@@ -1,4 +1,4 @@
-"""k3-tiny-niah's training step on CUDA (`python -m k3ray.evals.fixture.train --device cuda`) gives the CPU's
+"""k3-tiny-niah's training step on CUDA (`python -m k3ray_training.train --device cuda`) gives the CPU's
 losses, gradients and expert loads, with every auxiliary loss on (their index tensors travel to the GPU)."""
 
 import random
@@ -6,10 +6,11 @@ import random
 import pytest
 import torch
 
-from k3ray.evals.fixture import data
-from k3ray.evals.fixture.model import niah_config, trainable_model
-from k3ray.evals.fixture.train import accumulate_step
 from k3ray.tokenizer import ByteTokenizer
+
+from k3ray_training import data
+from k3ray_training.model import niah_config, trainable_model
+from k3ray_training.train import accumulate_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 AUXILIARY = {"copy_weight": 0.3, "gather_weight": 0.5, "contrast_weight": 0.5, "match_weight": 1.0,

@@ -4,29 +4,34 @@ k3ray loads by path."""
 
 import json
 import math
+import os
+import pathlib
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from k3ray.api import K3
-from k3ray.evals.fixture import data
-from k3ray.evals.fixture import model as fixture_model
-from k3ray.evals.fixture.init_weights import initial_weights
-from k3ray.evals.fixture.kda_train import chunk_kda_train
-from k3ray.evals.fixture.model import CopySupervision, KdaCarry, niah_config, train_logits, trainable_model
-from k3ray.evals.fixture.state_bank import StateBank, haystack_ids, initial_states, kda_layers
-from k3ray.evals.fixture.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, apply_gains, batch_tensors,
-                                      copy_targets, gather_targets, lead_digit_rows, length_groups, main, parse_args,
-                                      prompt_targets, step_examples, train)
 from k3ray.evals.tasks import TASKS, Cell
 from k3ray.evals.oracle import OracleTarget
 from k3ray.kernels.kda import l2norm
 from k3ray.kernels.kda.naive import naive_chunk_kda
 from k3ray.models.kda import KimiDeltaAttention
 from k3ray.tokenizer import ByteTokenizer
+
+from k3ray_training import data
+from k3ray_training import model as fixture_model
+from k3ray_training.init_weights import initial_weights
+from k3ray_training.kda_train import chunk_kda_train
+from k3ray_training.model import CopySupervision, KdaCarry, niah_config, train_logits, trainable_model
+from k3ray_training.state_bank import StateBank, haystack_ids, initial_states, kda_layers
+from k3ray_training.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, apply_gains, batch_tensors,
+                                  copy_targets, gather_targets, lead_digit_rows, length_groups, logged_args, main,
+                                  parse_args, prompt_targets, step_examples, train)
 
 TINY_RUN = ["--config", "tiny", "--tokens-per-step", "1024", "--max-haystack", "96", "--lr", "1e-2",
             "--warmup", "1", "--eval-every", "4", "--heldout-per-cell", "1", "--threads", "1"]
@@ -618,15 +623,58 @@ def test_a_run_asked_for_cuda_on_a_machine_without_it_says_so(tmp_path):
         main(["--out", str(tmp_path / "run"), "--steps", "1", "--device", "tpu", *TINY_RUN])
 
 
-def test_export_loads_by_path_with_mxfp4_experts_and_the_log(tmp_path):
-    out = tmp_path / "run"
+def test_export_loads_by_path_with_mxfp4_experts_and_the_log_names_no_machine_path(tmp_path):
+    out = tmp_path / "runs" / "run"
     main(["--out", str(out), "--steps", "2", "--export", str(tmp_path / "ckpt"), *TINY_RUN])
     hf = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert hf["quantization_config"]["format"] == "mxfp4-pack-quantized"
-    assert (tmp_path / "ckpt" / LOG_FILE).read_text() == (out / LOG_FILE).read_text()
+    assert not (tmp_path / "ckpt" / LOG_FILE).exists()  # the log stays with the run, out of the checkpoint
+    assert (_log(out)[0]["args"]["out"], _log(out)[0]["args"]["export"]) == ("run", "../ckpt")
+    assert str(tmp_path) not in (out / LOG_FILE).read_text()
     k3 = K3.load(str(tmp_path / "ckpt"), device="cpu")
     assert k3.model.config.expert_format == "mxfp4"
     assert 1 <= len(k3.generate(ByteTokenizer().encode("One of the special magic numbers"), max_new_tokens=4)) <= 4
+
+
+def test_logged_paths_are_relative_to_the_folder_holding_the_run():
+    args = {"out": "/scratch/s21/runs/C", "init_from": "/scratch/s21/B_fork.pt", "export": None, "steps": 3,
+            "task_mix": {"copy": 1.0}}
+    assert logged_args(args) == {"out": "C", "init_from": "../B_fork.pt", "export": None, "steps": 3}
+    shipped = logged_args({"out": "runs/I", "init_from": "k3-tiny-niah", "export": "runs/I/export"})
+    assert shipped == {"out": "I", "init_from": "k3-tiny-niah", "export": "I/export"}
+
+
+def test_the_documented_command_runs_from_the_training_folder():
+    """training/README.md's `cd training && python -m k3ray_training.train`: the program from this
+    folder, k3ray from the install (no PYTHONPATH)."""
+    training = pathlib.Path(__file__).resolve().parents[2] / "training"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-m", "k3ray_training.train", "--help"], cwd=training, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--export" in run.stdout and "--value-readout" in run.stdout
+
+
+def test_the_shipped_checkpoints_log_names_no_machine_path():
+    log = pathlib.Path(__file__).resolve().parents[2] / "training" / "k3-tiny-niah" / LOG_FILE
+    starts = [r["args"] for r in map(json.loads, log.read_text().splitlines()) if r.get("event") == "start"]
+    assert len(starts) == 16
+    paths = [a[k] for a in starts for k in ("out", "init_from", "export") if a.get(k)]
+    assert paths and not [p for p in paths if os.path.isabs(p) or re.search(r"(^|/)(tmp|s\d+)(/|$)", p)]
+
+
+def test_the_readme_reproduces_the_logged_stages():
+    """training/README.md's commands name the log's stages in its order (stageF's export-only rerun
+    is its second start line), each from the state the log's stage started from."""
+    training = pathlib.Path(__file__).resolve().parents[2] / "training"
+    starts = [r["args"] for r in map(json.loads, (training / "k3-tiny-niah" / LOG_FILE).read_text().splitlines())
+              if r.get("event") == "start"]
+    logged = [a["out"] for i, a in enumerate(starts) if i == 0 or a["out"] != starts[i - 1]["out"]]
+    documented = re.findall(r"^    train --out R/(\w+)", (training / "README.md").read_text(), re.M)
+    assert documented == logged and len(documented) == 15
+    steps = {a["out"]: a["steps"] for a in starts}
+    commands = dict(re.findall(r"^    train --out R/(\w+) .*?--steps (\d+)", (training / "README.md").read_text(), re.M))
+    assert {name: int(n) for name, n in commands.items()} == steps
 
 
 def test_training_starts_from_a_shipped_checkpoint_with_its_served_logits():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from k3ray.evals.fixture.needle_attention import main, needle_prompt
+from k3ray_training.needle_attention import main, needle_prompt
 
 
 def test_the_prompt_carries_the_asked_needle_and_ends_with_its_answer():

@@ -5,11 +5,12 @@ import json
 import pytest
 import torch
 
-from k3ray.evals.fixture.aged_needle import main, read_needle
-from k3ray.evals.fixture.init_weights import trained_niah_model
-from k3ray.evals.fixture.needle_attention import needle_prompt
-from k3ray.evals.fixture.state_bank import Chain, kda_layers
 from k3ray.tokenizer import ByteTokenizer
+
+from k3ray_training.aged_needle import main, read_needle
+from k3ray_training.init_weights import trained_niah_model
+from k3ray_training.needle_attention import needle_prompt
+from k3ray_training.state_bank import Chain, kda_layers
 
 
 def test_the_shipped_model_reads_needles_fresh_and_after_a_short_haystack(tmp_path, capsys):

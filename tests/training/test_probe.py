@@ -7,11 +7,12 @@ import random
 import pytest
 import torch
 
-from k3ray.evals.fixture import model as fixture_model
-from k3ray.evals.fixture.data import CHAIN_TASK, make_example
-from k3ray.evals.fixture.model import niah_config, train_logits, trainable_model
-from k3ray.evals.fixture.probe import Lookups, item_lookups, main, probe, readability, source_names
 from k3ray.tokenizer import ByteTokenizer
+
+from k3ray_training import model as fixture_model
+from k3ray_training.data import CHAIN_TASK, make_example
+from k3ray_training.model import niah_config, train_logits, trainable_model
+from k3ray_training.probe import Lookups, item_lookups, main, probe, readability, source_names
 
 
 def _planted(items: int, codes: bool, rotate: bool, seed: int = 0) -> tuple[Lookups, torch.Tensor]:
