@@ -1,6 +1,8 @@
 """Continuous batching and chunked prefill against the model itself (k3ray.api.K3 as the oracle:
 one sequence, whole-prompt prefill, then token-by-token decode, no engine)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -8,8 +10,10 @@ from k3ray.api import K3
 from k3ray.config import preset
 from k3ray.engine import LLM, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.engine.config import EngineConfig
+from k3ray.engine.outputs import OutputAccumulator
 from k3ray.engine.plan import pad_block_tables
 from k3ray.models.init import build_model
+from k3ray.sampling_params import RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -167,21 +171,28 @@ def test_cache_accounting_is_exact(model):
     assert usage["bytes_used"] == 5 * usage["state_slot_bytes"] + 3 * usage["block_bytes"]
 
 
-def test_finished_only_steps_return_the_same_final_outputs(model):
-    """step(finished_only=True) (what LLM.generate asks for) skips the unfinished requests' outputs
-    and nothing else: the finals equal those of plain steps."""
+@pytest.mark.parametrize("kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA])
+def test_final_only_and_delta_outputs_give_the_same_final_outputs(model, kind):
+    """FINAL_ONLY (what LLM.generate asks for) skips the unfinished requests' outputs and nothing else;
+    DELTA outputs carry each step's new token only and add up to the same finals."""
     prompts = random_prompts([5, 9, 2], seed=7)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     plain = run(LLMEngine(LocalExecutor(model), EngineConfig(num_blocks=64, block_size=4)), prompts, params)
     engine = LLMEngine(LocalExecutor(model), EngineConfig(num_blocks=64, block_size=4))
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, replace(params, output_kind=kind))
     seen = []
     while engine.has_unfinished_requests():
-        seen += engine.step(finished_only=True)
-    assert all(o.finished for o in seen) and sorted(o.request_id for o in seen) == ["0", "1", "2"]
-    finals = {o.request_id: o for o in seen}
-    assert token_ids([finals[str(i)] for i in range(3)]) == token_ids(plain)
+        seen += engine.step()
+    if kind is RequestOutputKind.FINAL_ONLY:
+        assert all(o.finished for o in seen)
+    else:
+        assert all(len(o.outputs[0].token_ids) == 1 for o in seen)
+    finals = {}
+    for o in seen:
+        finals.setdefault(o.request_id, OutputAccumulator()).add(o)
+    assert sorted(finals) == ["0", "1", "2"]
+    assert token_ids([finals[str(i)].output() for i in range(3)]) == token_ids(plain)
 
 
 def test_block_tables_pad_with_zeros():
