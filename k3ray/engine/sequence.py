@@ -153,9 +153,9 @@ class Request:
 
     def delta_output(self) -> RequestOutput | None:
         """What changed since the previous delta: new tokens, text and logprobs of the sequences that
-        advanced or finished (with best_of > n, the n best once all finish)."""
+        advanced or finished (with best_of > n, none until all finish, then the n best)."""
         if self.params.num_sequences != self.params.n:
-            return self.output() if self.finished else None
+            return self.output()
         completions = [d for d in (s.delta() for s in self.seqs) if d is not None]
         prompt_logprobs = None
         if self.prompt_logprobs is not None:
