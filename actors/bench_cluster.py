@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     import ray
 
     from k3ray.actors.moe_dispatch import fan_out, split
-    from k3ray.actors.pipeline_replica import RayModelRunner
+    from k3ray.actors.pipeline_replica import RayExecutor
     from k3ray.actors.protocol import CacheSpec
     from k3ray.actors.ray_connect import connect  # ray.init off the repository root
     from k3ray.actors.wire import pack, unpack_raw
@@ -138,8 +138,8 @@ def run(args: argparse.Namespace) -> dict:
                            "repeats": args.repeats}}
     try:
         parallel = ParallelConfig(args.pipeline, args.expert_parallel, moe_dispatch=args.moe_dispatch)
-        runner = RayModelRunner(ckpt, parallel, spec)
-        single = RayModelRunner(ckpt, ParallelConfig(1, args.expert_parallel, moe_dispatch=args.moe_dispatch), spec,
+        runner = RayExecutor(ckpt, parallel, spec)
+        single = RayExecutor(ckpt, ParallelConfig(1, args.expert_parallel, moe_dispatch=args.moe_dispatch), spec,
                                 name="k3ray-single")
 
         def loop(step_fn):

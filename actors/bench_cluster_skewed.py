@@ -37,7 +37,7 @@ def run_skewed(args: argparse.Namespace, ckpt: str, spec, decode_args, prefill_a
     import torch
 
     from k3ray.actors.expert_placement import Placement, max_over_mean
-    from k3ray.actors.pipeline_replica import RayModelRunner
+    from k3ray.actors.pipeline_replica import RayExecutor
     from k3ray.actors.protocol import ParallelConfig
 
     if args.expert_parallel < 2:
@@ -48,7 +48,7 @@ def run_skewed(args: argparse.Namespace, ckpt: str, spec, decode_args, prefill_a
         # rebalancing only when asked, so each phase runs one known placement
         parallel = ParallelConfig(args.pipeline, args.expert_parallel, moe_dispatch=args.moe_dispatch,
                                   redundant_experts=args.redundant_experts, rebalance_steps=0)
-        runner = RayModelRunner(skewed, parallel, spec)
+        runner = RayExecutor(skewed, parallel, spec)
         try:
             def decode_ms() -> list[float]:
                 runner.step(prefill_args(B, prompt))

@@ -1,6 +1,12 @@
-"""RayModelRunner: one model replica as Ray actors in its own placement group — pipeline stages,
-one MoE router per stage and its expert shards, and a VisionEncoder when the checkpoint has a
-vision tower — driven one step at a time.
+"""RayExecutor: the engine's Executor over Ray actors — one model replica in its own placement
+group: pipeline stages, one MoE router per stage and its expert shards, and a VisionEncoder when
+the checkpoint has a vision tower — driven one step at a time. The scheduler stays in the driver;
+only plan tensors (media rows included) and logits cross the boundary.
+
+    executor = RayExecutor(checkpoint, ParallelConfig(pipeline=2))      # actors start in allocate_cache
+    engine = LLMEngine(executor, config, tokenizer,
+                       vision_encoder=executor.encode_media if executor.has_vision else None)
+    runner = RayExecutor(checkpoint, parallel, CacheSpec(4, 32, 8))     # started now: step(BatchPlan)
 
 Activations go stage to stage as object refs (never through the driver); the driver only gets
 the last stage's logits. Every wait has a timeout; a dead or stuck actor fails the step with
@@ -40,7 +46,9 @@ from k3ray.actors.vision_encoder import VisionEncoder
 from k3ray.actors.wire import unpack
 from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
-from k3ray.engine.plan import BatchPlan, StepPlan
+from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
+from k3ray.engine.executor import Executor
+from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.vision import has_vision_weights
 
 logger = logging.getLogger(__name__)
@@ -76,18 +84,50 @@ def _whole_gpus(resources: dict[str, float]) -> bool:
     return resources.get("GPU", 0) >= 1
 
 
-class RayModelRunner:
-    def __init__(self, checkpoint: str, parallel: ParallelConfig, cache: CacheSpec,
-                 ready_timeout_s: float = 300.0, name: str = "k3ray",
+class RayExecutor(Executor):
+    def __init__(self, checkpoint: str, parallel: ParallelConfig, cache: CacheSpec | None = None, *,
+                 dtype: torch.dtype = torch.float32, ready_timeout_s: float = 300.0, name: str = "k3ray",
                  placement_group: "PlacementGroup | None" = None, bundle_offset: int = 0):
-        """With `placement_group`, the actors use its bundles from `bundle_offset` on (a Serve
-        replica's own group, released with the replica); otherwise the runner creates one."""
+        """The actors start when the engine sizes the cache (allocate_cache), or now with `cache`
+        (steps driven without an engine). With `placement_group`, the actors use its bundles from
+        `bundle_offset` on (a Serve replica's own group, released with the replica); otherwise the
+        executor creates one."""
         self.config = ModelConfig.from_json_file(f"{checkpoint}/config.json")
         if parallel.pipeline > self.config.num_layers:
             raise ValueError(f"pipeline={parallel.pipeline} exceeds the model's {self.config.num_layers} layers")
         if parallel.expert_parallel > self.config.num_experts:
             raise ValueError(f"expert_parallel={parallel.expert_parallel} exceeds num_experts={self.config.num_experts}")
-        self.parallel, self.cache_spec, self.checkpoint = parallel, cache, checkpoint
+        self.checkpoint, self.parallel, self.dtype = checkpoint, parallel, dtype
+        self._start_args = (ready_timeout_s, name, placement_group, bundle_offset)
+        self.started = False
+        if cache is not None:
+            self._start(cache)
+
+    # the Executor interface ----------------------------------------------------------------------
+    def cache_layout(self) -> CacheLayout:
+        return [(self.config, self.dtype)]
+
+    def allocate_cache(self, geometry: CacheGeometry) -> None:
+        """Start the actors with caches of this geometry (restarting them if they run)."""
+        self.shutdown()
+        self._start(CacheSpec(geometry.num_state_slots, geometry.num_blocks, geometry.block_size,
+                              str(self.dtype).removeprefix("torch.")))
+
+    def propose(self, plan: DraftPlan) -> torch.Tensor:
+        raise ValueError("draft-model speculation is not available on the Ray executor; use method='ngram'")
+
+    @property
+    def has_vision(self) -> bool:
+        """Whether the replica runs a VisionEncoder actor (see `encode_media`)."""
+        return (self.config.vision is not None and self.parallel.vision_resources is not None
+                and has_vision_weights(self.checkpoint))
+
+    # the actors ----------------------------------------------------------------------------------
+    def _start(self, cache: CacheSpec) -> None:
+        ready_timeout_s, name, placement_group, bundle_offset = self._start_args
+        checkpoint, parallel = self.checkpoint, self.parallel
+        self.dtype = getattr(torch, cache.dtype)
+        self.cache_spec = cache
         # the health probe's state slot and MLA block: one of each beyond the engine's
         self._probe_plan = BatchPlan(torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1]),
                                      torch.tensor([cache.num_state_slots]), torch.tensor([[cache.num_blocks]]),
@@ -132,6 +172,8 @@ class RayModelRunner:
         self.stage_group = None  # Ray's collective group over the stages, when hops use one
         self.stage_group_restarts = 0  # each one counts against parallel.max_restarts
         self.vision: "ray.actor.ActorHandle | None" = None
+        self.faults: PipelineFaults | None = None
+        self.started = True  # holds actors from here on: shutdown() releases them
 
         def start_stage(s: int, router: "ray.actor.ActorHandle | None") -> "ray.actor.ActorHandle":
             return remote_stage.options(**opts(index[("stage", s, None)], parallel.stage_resources)).remote(
@@ -283,6 +325,7 @@ class RayModelRunner:
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """One engine step: its state copies and batches -> logits of every batch, concatenated."""
+        assert self.started, "allocate_cache() first"
         with self.faults.stepping():
             self._copy_states(plan.pre_copies)
             out = [self._step(b) for b in plan.batches]
@@ -315,6 +358,7 @@ class RayModelRunner:
 
     def encode_media(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """Packed media -> [n_tokens, text_hidden] from the replica's VisionEncoder."""
+        assert self.started, "allocate_cache() first"
         if self.vision is None:
             raise ValueError("this replica has no vision encoder (the checkpoint has no vision tower)")
         with self.faults.stepping():
@@ -328,6 +372,8 @@ class RayModelRunner:
     def expert_load(self) -> list[list[int]]:
         """Per stage: routed (token, expert) pairs per expert since start (Router counters); the
         last counts while the pipeline recovers or an actor does not answer (a scrape never fails)."""
+        if not self.started:
+            return []
         if self.faults.fault is not None:
             return self._last_load
         try:
@@ -342,6 +388,9 @@ class RayModelRunner:
     def health(self) -> dict:
         """Whether the pipeline can step (PipelineFaults.health: a probe step while idle, the last
         step while busy, a fault's state), each actor's state, and Ray nodes that left the cluster."""
+        if not self.started:
+            return {"healthy": False, "state": "not started", "cause": "allocate_cache() was not called",
+                    "actors": {}, "lost_nodes": []}
         report = self.faults.health()
         nodes = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
         lost = sorted({nid for nid in self.placement.values() if not nodes.get(nid, False)})
@@ -368,7 +417,11 @@ class RayModelRunner:
             raise StageFailure(f"{what} failed: {type(e).__name__}: {e}") from e
 
     def shutdown(self) -> None:
-        self.faults.close()
+        if not self.started:
+            return
+        self.started = False
+        if self.faults is not None:
+            self.faults.close()
         self.stage_group = None  # its communicators end with the stages' processes
         for _, handle in self.actors():
             ray.kill(handle, no_restart=True)

@@ -52,7 +52,7 @@ def test_pair_owners_alternate_over_copies_in_step_order():
 ray = pytest.importorskip("ray")
 
 from k3ray.actors.protocol import ParallelConfig  # noqa: E402
-from k3ray.actors.ray_executor import RayExecutor  # noqa: E402
+from k3ray.actors.pipeline_replica import RayExecutor  # noqa: E402
 
 
 ON_NODES = dict(stage_resources={"CPU": 1, "stage_node": 1}, shard_resources={"CPU": 1, "shard_node": 1},
@@ -85,7 +85,7 @@ def test_rebalancing_during_a_greedy_stream_changes_no_output(ray_cluster, tiny_
     executor = RayExecutor(tiny_checkpoint, parallel)
     try:
         got = stream(LLMEngine(executor, CONFIG, tok), tok)
-        placements = executor.runner.expert_placements()
+        placements = executor.expert_placements()
     finally:
         executor.shutdown()
     for p in placements:  # both stages took up placements with replicas during the stream

@@ -11,7 +11,7 @@ from k3ray.weights import load_model
 ray = pytest.importorskip("ray")
 
 from k3ray.actors.protocol import ParallelConfig  # noqa: E402
-from k3ray.actors.ray_executor import RayExecutor  # noqa: E402
+from k3ray.actors.pipeline_replica import RayExecutor  # noqa: E402
 
 
 pytestmark = pytest.mark.timeout(900)

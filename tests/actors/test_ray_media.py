@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 from k3ray.actors.ray_connect import connect  # noqa: E402  ray.init off the repository root
 
 from k3ray.actors.protocol import ParallelConfig  # noqa: E402
-from k3ray.actors.ray_executor import RayExecutor  # noqa: E402
+from k3ray.actors.pipeline_replica import RayExecutor  # noqa: E402
 from k3ray.actors.pipeline_replica import actor_bundles  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
