@@ -79,7 +79,8 @@ async def _stream(serving, req, prompt, params, request_id, tools: ToolPlan | No
             async for _, out in outputs:
                 choices = []
                 for c in out.outputs:
-                    delta, finish_reason = {"content": c.text} if c.text else {}, c.finish_reason if c.finished else None
+                    delta = {"content": c.text} if c.text else {}
+                    finish_reason = c.finish_reason if c.finished else None
                     if parsers is not None:
                         delta, finish_reason = parsers[c.index].delta(c.text, c.finished, c.finish_reason)
                     if delta or c.token_ids or c.finished:

@@ -44,7 +44,8 @@ class _Choice:
             self.echo_pending = False
             text = self.echo_text
             if self.logprobs is not None:
-                block = self.logprobs.add_prompt(out.prompt_token_ids, prompt_logprobs or [None] * len(out.prompt_token_ids))
+                entries = prompt_logprobs or [None] * len(out.prompt_token_ids)
+                block = self.logprobs.add_prompt(out.prompt_token_ids, entries)
         if keep_generated:
             text += c.text
             if self.logprobs is not None and c.token_ids:

@@ -31,11 +31,10 @@ from k3ray.actors.openai_protocol import (
     SamplingFields,
 )
 from k3ray.actors.openai_tools import ToolPlan, tool_calls_error_message
-from k3ray.actors.serve_metrics import FinishTally
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
-from k3ray.engine.outputs import OutputAccumulator, RequestOutput
+from k3ray.engine.outputs import FinishTally, OutputAccumulator, RequestOutput
 from k3ray.engine.structured_output import check_grammar  # xgrammar: imported with the server, not on a request
 from k3ray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from k3ray.tokenizer.chat import MEDIA_PART_KINDS, normalize_chat_role

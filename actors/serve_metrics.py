@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from k3ray.engine.outputs import RequestMetrics, RequestOutput
+from k3ray.engine.outputs import FinishTally, RequestMetrics
 from k3ray.engine.stats import EngineStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -22,19 +21,6 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
-
-
-@dataclass
-class FinishTally:
-    """What the metrics need of one request's delta outputs: each completion's tokens and finish reason."""
-
-    tokens: dict[int, int] = field(default_factory=dict)
-    finish_reasons: dict[int, str | None] = field(default_factory=dict)
-
-    def add(self, out: RequestOutput) -> None:
-        for c in out.outputs:
-            self.tokens[c.index] = self.tokens.get(c.index, 0) + len(c.token_ids)
-            self.finish_reasons[c.index] = c.finish_reason
 
 
 class ServeMetrics:

@@ -122,6 +122,19 @@ class OutputAccumulator:
                              last.metrics)
 
 
+@dataclass
+class FinishTally:
+    """What a server's metrics need of one request's delta outputs: each completion's tokens and finish reason."""
+
+    tokens: dict[int, int] = field(default_factory=dict)
+    finish_reasons: dict[int, str | None] = field(default_factory=dict)
+
+    def add(self, out: RequestOutput) -> None:
+        for c in out.outputs:
+            self.tokens[c.index] = self.tokens.get(c.index, 0) + len(c.token_ids)
+            self.finish_reasons[c.index] = c.finish_reason
+
+
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive deltas of a request as one."""
     acc = OutputAccumulator()
