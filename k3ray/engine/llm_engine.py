@@ -271,7 +271,7 @@ class LLMEngine:
         request.metrics.finished_time = time.monotonic()
         if not self.requests:
             self._busy_since = None
-        return request.output_of_kind()
+        return request.output_of_kind(finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -428,7 +428,7 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 del self.requests[rid]
                 self.stats.finished(request.metrics, max(s.num_output_tokens for s in request.seqs))
-            output = request.output_of_kind()
+            output = request.output_of_kind(finished)
             if output is not None:
                 outputs.append(output)
         return outputs

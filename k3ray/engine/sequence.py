@@ -142,14 +142,13 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
-    def output_of_kind(self) -> RequestOutput | None:
-        """The output its params.output_kind asks for now (None: nothing to send)."""
+    def output_of_kind(self, finished: bool) -> RequestOutput | None:
+        """The output its params.output_kind asks for now (None: nothing to send); `finished`: the
+        request's, as the caller just read it (a step reads it once per request)."""
         kind = self.params.output_kind
-        if kind is RequestOutputKind.DELTA:
-            return self.delta_output()
-        if kind is RequestOutputKind.FINAL_ONLY and not self.finished:
-            return None
-        return self.output()
+        if kind is RequestOutputKind.FINAL_ONLY:
+            return self.output() if finished else None
+        return self.delta_output() if kind is RequestOutputKind.DELTA else self.output()
 
     def delta_output(self) -> RequestOutput | None:
         """What changed since the previous delta: new tokens, text and logprobs of the sequences that
