@@ -16,13 +16,14 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 from k3ray.engine.llm import LLM
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.evals.target import Prompt
-from k3ray.sampling_params import SamplingParams
+from k3ray.sampling_params import RequestOutputKind, SamplingParams
 from k3ray.tokenizer.chat import normalize_chat_role
 
 MEDIA_PART_TYPES = ("image_url", "video_url", "input_audio", "audio_url")
@@ -89,8 +90,8 @@ class EngineTarget:
     def generate(self, ids: Sequence[int], params: SamplingParams) -> RequestOutput:
         """Run one request to its end, batched with whatever other threads are running."""
         request_id = f"target-{next(self._ids)}"
-        with self._lock:
-            self.engine.add_request(request_id, list(ids), params)
+        with self._lock:  # only the final output is kept: the engine builds no other
+            self.engine.add_request(request_id, list(ids), replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
         while True:
             with self._lock:
                 if request_id in self._finished:

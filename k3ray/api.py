@@ -6,20 +6,26 @@ generate in this process.
     k3 = K3.load("path", device="cuda:0")     # default "auto": CUDA when available
     logits = k3.logits([1, 2, 3])              # [3, vocab] fp32 full-sequence logits
     lp, greedy = k3.loglikelihood(ctx_ids, continuation_ids)
+    ids = k3.generate(prompt_ids, max_new_tokens=32)   # through the engine (LLM), as serving runs
+
+Scoring runs the model over the whole sequence here; generation goes through the engine that
+serving runs (one LLM over this model, sized for the longest request so far).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from k3ray.default_model import checkpoint_dir
 from k3ray.device import DeviceLike, resolve_device, to_device
+from k3ray.engine.llm import LLM
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.k3 import K3ForCausalLM
+from k3ray.sampling_params import SamplingParams
 from k3ray.tokenizer.load import tokenizer_for
 from k3ray.weights.loader import load_model
 
@@ -32,6 +38,8 @@ class K3:
     tokenizer: object | None = None
     name: str = "k3"
     prefill_chunk: int = 4096  # tokens per forward: bounds activation memory on long inputs
+    _engine: LLM | None = field(default=None, init=False, repr=False, compare=False)
+    _engine_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str | None = None, dtype: torch.dtype = torch.float32, device: DeviceLike = "auto",
@@ -99,7 +107,6 @@ class K3:
                                   (rows.argmax(-1) == target).all().double()]).tolist()  # one copy back
         return lp, bool(greedy)
 
-    @torch.no_grad()
     def generate(
         self,
         prompt_ids: Sequence[int],
@@ -109,39 +116,34 @@ class K3:
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
     ) -> list[int]:
-        """Greedy (temperature 0) or sampled continuation, stopping at EOS / stop ids."""
+        """Greedy (temperature 0) or sampled continuation from the engine, ending with (and
+        including) the model's EOS or a stop id, or after max_new_tokens."""
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        ids = self._check_ids(prompt_ids)
-        stops = set(stop_token_ids or ()) | {self.model.config.eos_token_id}
-        gen = torch.Generator(device=self.device).manual_seed(seed if seed is not None else 0)  # draws where the logits are
-        cache = self._session(ids.numel() + max_new_tokens)
-        logits = None
-        for s in range(0, ids.numel(), self.prefill_chunk):
-            logits = self._step(cache, ids[s : s + self.prefill_chunk], s, False)
-        out: list[int] = []
-        pos = ids.numel()
-        while True:
-            nxt = _sample(logits[-1], temperature, top_k, gen)
-            out.append(nxt)
-            if nxt in stops or len(out) >= max_new_tokens:
-                return out
-            logits = self._step(cache, torch.tensor([nxt]), pos, False)
-            pos += 1
+        ids = self._check_ids(prompt_ids).tolist()
+        params = SamplingParams(temperature=temperature, top_k=top_k if top_k > 0 else -1,
+                                seed=0 if seed is None else seed, max_tokens=max_new_tokens,
+                                stop_token_ids=tuple(stop_token_ids or ()))
+        (out,) = self._llm(len(ids) + max_new_tokens).generate([ids], params)
+        return out.outputs[0].token_ids
+
+    def _llm(self, total_len: int) -> LLM:
+        """The engine over this model, its cache holding total_len tokens of one sequence (built
+        anew, twice as large, when a longer request comes). No tokenizer: the model's EOS and the
+        caller's stop ids end a generation, as they always have here."""
+        blocks = max(1, math.ceil(total_len / BLOCK_SIZE))
+        if self._engine is None or self._engine_blocks < blocks:
+            blocks = max(blocks, 2 * self._engine_blocks)
+            self._engine = None  # its caches go before the larger ones come
+            self._engine = LLM(self.model, max_num_seqs=1, block_size=BLOCK_SIZE, num_blocks=blocks,
+                               max_num_batched_tokens=self.prefill_chunk, enable_prefix_caching=False,
+                               long_context_reserve=0)
+            self._engine_blocks = blocks
+        return self._engine
 
 
 def _blocks(cache: ModelCache) -> int:
     lat = next(iter(cache.mla_latent.values()), None)
     return 1 if lat is None else lat.shape[0] // cache.block_size
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))

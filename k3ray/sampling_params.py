@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import numbers
@@ -14,6 +15,15 @@ MAX_LOGPROBS = 20
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs hold (vLLM's names): everything so far, only what is new since the
+    previous output, or one output when the request finishes."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,8 @@ class SamplingParams:
     negative one multiplied), frequency_penalty x the token's count in the output and presence_penalty
     once it is there (both subtracted). best_of samples that many sequences and returns the n with
     the highest cumulative log-probability; structured_outputs masks every token outside a grammar.
+    output_kind: whether the engine's outputs for the request are cumulative, per-step deltas (what
+    a stream sends on), or the final one only.
     """
 
     n: int = 1
@@ -133,6 +145,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     best_of: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -191,6 +204,8 @@ class SamplingParams:
             )
 
     def _check_values(self) -> None:
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         _check_int("n", self.n, low=1)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)

@@ -73,7 +73,7 @@ def test_serve_configs_are_what_their_command_prints(source, capsys, monkeypatch
 
 
 def test_rayservice_gpus_fit_the_planned_layout():
-    from k3ray.actors.pipeline.runner import actor_bundles
+    from k3ray.actors.pipeline.executor import actor_bundles
     from k3ray.actors.serve.config import ServeArgs
 
     spec = load("kuberay/rayservice.yaml")["spec"]

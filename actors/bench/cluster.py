@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> dict:
     # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import ray
     from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
+    from k3ray.actors.pipeline.executor import RayExecutor
     from k3ray.actors.pipeline.moe_dispatch import fan_out, split
     from k3ray.actors.pipeline.protocol import CacheSpec
-    from k3ray.actors.pipeline.runner import RayModelRunner
     from k3ray.actors.pipeline.wire import pack, unpack_raw
 
     from k3ray.default_model import default_checkpoint_dir
@@ -151,8 +151,8 @@ def run(args: argparse.Namespace) -> dict:
     try:
         parallel = ParallelConfig(args.pipeline, args.expert_parallel, moe_dispatch=args.moe_dispatch,
                                   torch_threads=args.threads)
-        runner = RayModelRunner(ckpt, parallel, spec)
-        single = RayModelRunner(ckpt, ParallelConfig(1, args.expert_parallel, moe_dispatch=args.moe_dispatch,
+        runner = RayExecutor(ckpt, parallel, spec)
+        single = RayExecutor(ckpt, ParallelConfig(1, args.expert_parallel, moe_dispatch=args.moe_dispatch,
                                                          torch_threads=args.threads), spec,
                                 name="k3ray-single")
 

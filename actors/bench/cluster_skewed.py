@@ -15,9 +15,9 @@ import time
 
 import ray
 import torch
+from k3ray.actors.pipeline.executor import RayExecutor
 from k3ray.actors.pipeline.expert_placement import Placement, max_over_mean
 from k3ray.actors.pipeline.protocol import ParallelConfig
-from k3ray.actors.pipeline.runner import RayModelRunner
 
 from k3ray.weights import load_model
 from k3ray.weights.writer import save_checkpoint
@@ -46,7 +46,7 @@ def run_skewed(args: argparse.Namespace, ckpt: str, spec, decode_args, prefill_a
         parallel = ParallelConfig(args.pipeline, args.expert_parallel, moe_dispatch=args.moe_dispatch,
                                   redundant_experts=args.redundant_experts, rebalance_steps=0,
                                   torch_threads=args.threads)
-        runner = RayModelRunner(skewed, parallel, spec)
+        runner = RayExecutor(skewed, parallel, spec)
         try:
             def decode_ms() -> list[float]:
                 runner.step(prefill_args(B, prompt))

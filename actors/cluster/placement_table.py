@@ -105,7 +105,7 @@ def _rank(actor: gcs_pb2.ActorTableData) -> tuple[bool, int]:
 
 
 def model_roles(members: list[tuple[int, gcs_pb2.ActorTableData]]) -> list[tuple[str, gcs_pb2.ActorTableData]]:
-    """Each model actor's role, named as RayModelRunner.actors() names them (without the layer and
+    """Each model actor's role, named as RayExecutor.actors() names them (without the layer and
     expert ranges), from its class in bundle order."""
     out, stage, shard = [], -1, 0
     for _, actor in members:

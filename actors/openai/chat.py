@@ -44,18 +44,17 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
         if tools is not None and tools.parse:
             message, finish_reason = _choice_tools(serving, req, tools).message(c.text, c.finish_reason)
-        choices.append({"index": c.index, "message": message, "logprobs": _logprobs(serving, req, c, 0),
+        choices.append({"index": c.index, "message": message, "logprobs": _logprobs(serving, req, c),
                         "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": serving.model_name, "choices": choices,
             "usage": usage(prompt.num_tokens, sum(len(c.token_ids) for c in final.outputs))}
 
 
-def _logprobs(serving: OpenAIServing, req: ChatCompletionRequest, c: CompletionOutput, start: int) -> dict | None:
+def _logprobs(serving: OpenAIServing, req: ChatCompletionRequest, c: CompletionOutput) -> dict | None:
     if not req.logprobs:
         return None
-    return {"content": chat_logprobs(serving.tokenizer, c.token_ids[start:], (c.logprobs or [])[start:],
-                                     req.top_logprobs or 0)}
+    return {"content": chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs or [], req.top_logprobs or 0)}
 
 
 def _choice_tools(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan) -> ChoiceTools:
@@ -63,9 +62,8 @@ def _choice_tools(serving: OpenAIServing, req: ChatCompletionRequest, tools: Too
 
 
 async def _stream(serving, req, prompt, params, request_id, tools: ToolPlan | None) -> AsyncIterator[str]:
+    """The engine's deltas, each sent on as it comes: the work per chunk is that of its new tokens."""
     created = int(time.time())
-    text_sent = [0] * params.n
-    tokens_sent = [0] * params.n
     completion_tokens = 0
     parsers = [_choice_tools(serving, req, tools) for _ in range(params.n)] if tools is not None and tools.parse \
         else None
@@ -81,19 +79,15 @@ async def _stream(serving, req, prompt, params, request_id, tools: ToolPlan | No
             async for _, out in outputs:
                 choices = []
                 for c in out.outputs:
-                    i = c.index
-                    text = c.text[text_sent[i]:]
-                    new_tokens = len(c.token_ids) - tokens_sent[i]
-                    delta, finish_reason = {"content": text} if text else {}, c.finish_reason if c.finished else None
+                    delta = {"content": c.text} if c.text else {}
+                    finish_reason = c.finish_reason if c.finished else None
                     if parsers is not None:
-                        delta, finish_reason = parsers[i].delta(text, c.finished, c.finish_reason)
-                    if delta or new_tokens or c.finished:
-                        choices.append({"index": i, "delta": delta,
-                                        "logprobs": _logprobs(serving, req, c, tokens_sent[i]) if new_tokens else None,
+                        delta, finish_reason = parsers[c.index].delta(c.text, c.finished, c.finish_reason)
+                    if delta or c.token_ids or c.finished:
+                        choices.append({"index": c.index, "delta": delta,
+                                        "logprobs": _logprobs(serving, req, c) if c.token_ids else None,
                                         "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-                    text_sent[i], tokens_sent[i] = len(c.text), len(c.token_ids)
-                if out.finished:
-                    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+                    completion_tokens += len(c.token_ids)
                 if choices:
                     yield chunk(choices)
         if req.stream_options is not None and req.stream_options.include_usage:

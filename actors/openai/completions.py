@@ -24,35 +24,33 @@ from k3ray.engine.outputs import CompletionOutput, RequestOutput
 
 
 class _Choice:
-    """One choice of the response: what has been sent so far, and its logprobs accumulator."""
+    """One choice of the response: its echo still to send, its logprobs accumulator, tokens generated."""
 
     def __init__(self, serving: OpenAIServing, req: CompletionRequest, prompt: Prompt, index: int) -> None:
         self.index = index
-        self.tokens_sent = 0
-        self.text_sent = 0
+        self.tokens_generated = 0
         self.echo_pending = req.echo
         self.logprobs = (CompletionLogprobs(serving.tokenizer, req.skip_special_tokens)
                          if req.logprobs is not None else None)
         self.echo_text = "" if not req.echo else (
             prompt.text if prompt.text is not None else serving.tokenizer.decode(prompt.ids))
 
-    def delta(self, out: RequestOutput, c: CompletionOutput, keep_generated: bool) -> tuple[str, dict | None]:
-        """New text and logprobs since the last call (everything on the first call of a response)."""
+    def delta(self, out: RequestOutput, prompt_logprobs: list | None, c: CompletionOutput,
+              keep_generated: bool) -> tuple[str, dict | None]:
+        """Text and logprobs for `c`, the choice's new output (the echoed prompt first, with the
+        prompt's logprobs so far, on the choice's first call)."""
         text, block = "", None
         if self.echo_pending:
             self.echo_pending = False
             text = self.echo_text
             if self.logprobs is not None:
-                entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                entries = prompt_logprobs or [None] * len(out.prompt_token_ids)
                 block = self.logprobs.add_prompt(out.prompt_token_ids, entries)
         if keep_generated:
-            text += c.text[self.text_sent:]
-            self.text_sent = len(c.text)
-            new_ids = c.token_ids[self.tokens_sent:]
-            if self.logprobs is not None and new_ids:
-                entries = (c.logprobs or [])[self.tokens_sent:]
-                block = merge_blocks(block, self.logprobs.add(new_ids, entries))
-            self.tokens_sent = len(c.token_ids)
+            text += c.text
+            if self.logprobs is not None and c.token_ids:
+                block = merge_blocks(block, self.logprobs.add(c.token_ids, c.logprobs or []))
+        self.tokens_generated += len(c.token_ids)
         if self.logprobs is not None and block is None:
             block = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         return text, block
@@ -80,28 +78,29 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest) -> d
     if req.stream:
         return _stream(serving, req, prompts, params, request_id, choices, keep_generated)
     finals = await serving.run_to_end(prompts, params, request_id)
-    _discard_echo_step(serving, finals, keep_generated)
     body_choices = []
     for i, out in enumerate(finals):
         for c in out.outputs:
             choice = choices[i][c.index]
-            text, block = choice.delta(out, c, keep_generated)
+            text, block = choice.delta(out, out.prompt_logprobs, c, keep_generated)
             entry = {"index": choice.index, "text": text, "logprobs": block,
                      "finish_reason": _finish(c, keep_generated), "stop_reason": c.stop_reason}
             if req.prompt_logprobs is not None:
                 entry["prompt_logprobs"] = prompt_logprobs_field(serving.tokenizer, out.prompt_token_ids,
                                                                  out.prompt_logprobs or [])
             body_choices.append(entry)
+    _discard_echo_step(serving, choices, keep_generated)
     return {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": serving.model_name,
         "choices": body_choices,
-        "usage": usage(sum(len(p.ids) for p in prompts), _completion_tokens(finals, keep_generated)),
+        "usage": usage(sum(len(p.ids) for p in prompts), _completion_tokens(choices, keep_generated)),
     }
 
 
 async def _stream(serving, req, prompts, params, request_id, choices, keep_generated) -> AsyncIterator[str]:
+    """The engine's deltas, each sent on as it comes: the work per chunk is that of its new tokens."""
     created = int(time.time())
-    finals: list[RequestOutput | None] = [None] * len(prompts)
+    prompt_logprobs: list[list | None] = [None] * len(prompts)  # each prompt's, as they arrive
 
     def chunk(entries: list[dict]) -> str:
         return sse({"id": request_id, "object": "text_completion", "created": created,
@@ -110,23 +109,23 @@ async def _stream(serving, req, prompts, params, request_id, choices, keep_gener
     try:
         async with aclosing(serving.generate(prompts, params, request_id)) as outputs:
             async for i, out in outputs:
+                if out.prompt_logprobs:
+                    prompt_logprobs[i] = (prompt_logprobs[i] or []) + out.prompt_logprobs  # the first delta's
                 entries = []
                 for c in out.outputs:
                     choice = choices[i][c.index]
-                    text, block = choice.delta(out, c, keep_generated)
+                    text, block = choice.delta(out, prompt_logprobs[i], c, keep_generated)
                     if text or (block and block["tokens"]) or c.finished:
                         entries.append({"index": choice.index, "text": text, "logprobs": block,
                                         "finish_reason": _finish(c, keep_generated) if c.finished else None,
                                         "stop_reason": c.stop_reason})
-                if out.finished:
-                    finals[i] = out
                 if entries:
                     yield chunk(entries)
-        _discard_echo_step(serving, finals, keep_generated)
+        _discard_echo_step(serving, choices, keep_generated)
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created,
                        "model": serving.model_name, "choices": [],
-                       "usage": usage(sum(len(p.ids) for p in prompts), _completion_tokens(finals, keep_generated))})
+                       "usage": usage(sum(len(p.ids) for p in prompts), _completion_tokens(choices, keep_generated))})
     except Exception as e:  # noqa: BLE001 - the status line is sent; the error goes in the stream
         yield stream_error(e)
     yield sse("[DONE]")
@@ -136,15 +135,15 @@ def _finish(c: CompletionOutput, keep_generated: bool) -> str | None:
     return c.finish_reason if keep_generated else "length"
 
 
-def _completion_tokens(finals: list[RequestOutput | None], keep_generated: bool) -> int:
-    return _generated_tokens(finals) if keep_generated else 0
+def _completion_tokens(choices: list[list[_Choice]], keep_generated: bool) -> int:
+    return _generated_tokens(choices) if keep_generated else 0
 
 
-def _generated_tokens(finals: list[RequestOutput | None]) -> int:
-    return sum(len(c.token_ids) for out in finals if out is not None for c in out.outputs)
+def _generated_tokens(choices: list[list[_Choice]]) -> int:
+    return sum(choice.tokens_generated for per_prompt in choices for choice in per_prompt)
 
 
-def _discard_echo_step(serving: OpenAIServing, finals: list[RequestOutput | None], keep_generated: bool) -> None:
+def _discard_echo_step(serving: OpenAIServing, choices: list[list[_Choice]], keep_generated: bool) -> None:
     """An echo-only request's decode step is not generation the client sees: the metrics say so too."""
     if not keep_generated and serving.metrics is not None:
-        serving.metrics.observe_discarded(_generated_tokens(finals))
+        serving.metrics.observe_discarded(_generated_tokens(choices))

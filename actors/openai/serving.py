@@ -34,9 +34,9 @@ from k3ray.actors.openai.tools import ToolPlan, tool_calls_error_message
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
-from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.outputs import FinishTally, OutputAccumulator, RequestOutput
 from k3ray.engine.structured_output import check_grammar  # xgrammar: imported with the server, not on a request
-from k3ray.sampling_params import SamplingParams, StructuredOutputsParams
+from k3ray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from k3ray.tokenizer.chat import MEDIA_PART_KINDS, normalize_chat_role
 from k3ray.vision import ProcessedMedia, expand_placeholders
 
@@ -218,6 +218,7 @@ class OpenAIServing:
                 logit_bias=req.logit_bias,
                 best_of=getattr(req, "best_of", None),
                 structured_outputs=structured_outputs,
+                output_kind=RequestOutputKind.DELTA,  # streams send them on; run_to_end adds them up
             )
             params.validate(self.vocab_size, self.max_model_len, self.info.max_schema_bytes)
             if params.structured_outputs is not None:  # so a schema xgrammar cannot use is a 400 before any stream
@@ -232,7 +233,7 @@ class OpenAIServing:
 
     async def generate(self, prompts: Sequence[Prompt], params: SamplingParams,
                        request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) as any prompt advances; closing it aborts them all."""
+        """(prompt index, the engine's delta output) as any prompt advances; closing it aborts them all."""
         if len(prompts) * params.num_sequences > MAX_SEQUENCES_PER_REQUEST:
             raise bad_request(f"{len(prompts)} prompts x {params.num_sequences} samples (n or best_of) exceeds "
                               f"{MAX_SEQUENCES_PER_REQUEST} sequences per request", "prompt")
@@ -240,16 +241,18 @@ class OpenAIServing:
         streams = [self.engine.generate(p.ids, params, f"{request_id}-{i}", media=p.media or None)
                    for i, p in enumerate(prompts)]
         unfinished = set(range(len(prompts)))
+        tallies = [FinishTally() for _ in prompts]
         ticket = None if self.admission is None else self.admission.admit([p.num_tokens for p in prompts])
         try:
             async with aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
                     if ticket is not None:
                         self.admission.started(ticket)
+                    tallies[i].add(out)
                     if out.finished:
                         unfinished.discard(i)
                         if self.metrics is not None:
-                            self.metrics.observe_finished(out, time.monotonic() - started)
+                            self.metrics.observe_finished(tallies[i], out.metrics, time.monotonic() - started)
                     yield i, out
         finally:
             if ticket is not None:
@@ -259,12 +262,15 @@ class OpenAIServing:
 
     async def run_to_end(self, prompts: Sequence[Prompt], params: SamplingParams,
                          request_id: str) -> list[RequestOutput]:
+        """Each prompt's whole output, added up from its deltas."""
         finals: list[RequestOutput | None] = [None] * len(prompts)
+        accumulators = [OutputAccumulator() for _ in prompts]
         try:
             async with aclosing(self.generate(prompts, params, request_id)) as outputs:
                 async for i, out in outputs:
+                    accumulators[i].add(out)
                     if out.finished:
-                        finals[i] = out
+                        finals[i] = accumulators[i].output()
         except ValueError as e:
             raise request_error(e) from e
         return finals  # type: ignore[return-value]

@@ -1,4 +1,4 @@
-"""PipelineFaults: fault containment for one pipeline replica (RayModelRunner).
+"""PipelineFaults: fault containment for one pipeline replica (RayExecutor).
 
 Every call on the step path runs under `stepping()`: one at a time (a real step, or the health
 probe's tiny step while the pipeline is idle), and refused at once while a fault is open. The first

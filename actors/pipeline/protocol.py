@@ -42,7 +42,7 @@ class ParallelConfig:
     # hidden states between pipeline stages: "auto" = GPU to GPU over Ray's NCCL tensor transport
     # when every stage holds its own GPU and cupy is installed, else host memory; "host" = always
     # host memory; "gloo" = Ray's GLOO tensor transport between CPU stages (MoE rows always go
-    # through host memory: see pipeline_replica.hop_transport)
+    # through host memory: see RayExecutor.hop_transport)
     stage_transport: str = "auto"
     redundant_experts: int = DEFAULT_REDUNDANT_EXPERTS  # see moe_dispatch_modes
     rebalance_steps: int = DEFAULT_REBALANCE_STEPS

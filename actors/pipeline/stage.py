@@ -3,7 +3,7 @@ gave it (else the CPU); its MoE layers are built with remote experts, which reac
 expert shards in the ParallelConfig.moe_dispatch mode (k3ray.actors.pipeline.moe_dispatch). The first
 stage embeds, the last returns logits; between stages the AttnRes state (partial sum + bank)
 travels as an object ref: a wire bundle through host memory, or the tensors themselves over Ray's
-NCCL or GLOO transport when the runner asks (pipeline_replica.hop_transport). Media embeddings (from the
+NCCL or GLOO transport when the runner asks (RayExecutor.hop_transport). Media embeddings (from the
 replica's VisionEncoder, via the engine) are spliced in by the first stage."""
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class K3Server:
     async def health(self) -> tuple[bool, str]:
         """Whether the model can step now: a local model while the replica answers (and its engine
         process lives); a Ray pipeline by a probe step through it while idle, its last step while
-        busy (RayModelRunner.health), naming the actors lost while it recovers."""
+        busy (RayExecutor.health), naming the actors lost while it recovers."""
         ok, detail, _ = await self._health()
         return ok, detail
 
@@ -108,10 +108,7 @@ class K3Server:
     async def _health(self) -> tuple[bool, str, bool]:
         if isinstance(self.engine, EngineClient):
             return self.engine.alive, f"engine process exit code {self.engine.process.poll()}", False
-        executor_health = getattr(self.executor, "health", None)
-        if executor_health is None:
-            return True, "", False
-        report = await asyncio.to_thread(executor_health)
+        report = await asyncio.to_thread(self.executor.health)
         bad = {name: state for name, state in report["actors"].items() if state != "alive"}
         state = report.get("state", "serving")
         lost = "".join(f"; node {node[:8]} lost with {', '.join(names)}"
@@ -134,9 +131,8 @@ class K3Server:
             self.metrics_listener.close()
         if hasattr(self, "engine"):
             await self.engine.shutdown()
-        shutdown = getattr(getattr(self, "executor", None), "shutdown", None)
-        if shutdown is not None:
-            await asyncio.to_thread(shutdown)
+        if getattr(self, "executor", None) is not None:  # None: the engine process held the model
+            await asyncio.to_thread(self.executor.shutdown)
 
 
 def deployment_options(args: ServeArgs) -> dict:

@@ -70,7 +70,8 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
         from k3ray.actors.pipeline.executor import RayExecutor
 
         offset = 0 if placement_group is None else 1
-        executor = RayExecutor(path, args.parallel_config(), dtype, placement_group, bundle_offset=offset)
+        executor = RayExecutor(path, args.parallel_config(), dtype=dtype, placement_group=placement_group,
+                               bundle_offset=offset)
         if executor.has_vision:
             vision_encoder = executor.encode_media
     else:
@@ -86,9 +87,7 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
                            multimodal=multimodal)
         engine.prepare_structured_outputs()  # now, not beside the steps of the first constrained request
     except BaseException:
-        shutdown = getattr(executor, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        executor.shutdown()
         raise
     return engine, executor
 

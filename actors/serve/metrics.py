@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.outputs import FinishTally, RequestMetrics
 from k3ray.engine.stats import EngineStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -41,17 +41,16 @@ class ServeMetrics:
         self.registry.register(self._engine)
         self._expert_load = expert_load
 
-    def observe_finished(self, out: RequestOutput, e2e_s: float) -> None:
-        reasons = {c.finish_reason for c in out.outputs}
+    def observe_finished(self, tally: FinishTally, m: RequestMetrics, e2e_s: float) -> None:
+        reasons = set(tally.finish_reasons.values())
         for reason in reasons:
             self.finished.labels(finished_reason=reason, **self.labels).inc()
         if "abort" in reasons:
             return
-        m = out.metrics
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         self.e2e.observe(e2e_s)
-        generated = max(len(c.token_ids) for c in out.outputs)
+        generated = max(tally.tokens.values(), default=0)
         if generated > 1 and m.first_token_time is not None and m.finished_time is not None:
             self.tpot.observe((m.finished_time - m.first_token_time) / (generated - 1))
 

@@ -9,7 +9,7 @@ got 503. Readiness looks every WATCH_S at the states Ray's GCS holds for the pip
 pipeline's open fault (pipeline/faults.py); `answer_checks_with(readiness.now)` makes Serve's answer
 in this process also ask it. The replica leaves the rotation after HAProxy's next two checks, and
 `/health`, which HAProxy then passes to a replica (serve/haproxy_wrapper.py), names the actors lost. An
-actor Ray reports lost makes the pipeline look at once (RayModelRunner.health(): a fault opens and
+actor Ray reports lost makes the pipeline look at once (RayExecutor.health(): a fault opens and
 it recovers), also while idle. Serve's periodic check (K3Server.check_health) alone still decides
 whether Serve replaces the replica: a pipeline recovering by itself leaves the rotation, it is not
 replaced. Called from the replica's constructor (a replica process serves one replica), as
@@ -24,10 +24,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 import ray
+from k3ray.actors.cluster.placement_table import actor_table, current_actors, model_roles, state_name
 from ray._private import state as ray_state
 from ray.serve._private import replica
-
-from k3ray.actors.cluster.placement_table import actor_table, current_actors, model_roles, state_name
 
 logger = logging.getLogger(__name__)
 WATCH_S = 0.1  # between looks at the actors' states in GCS (one read of the job's actor table)
@@ -66,7 +65,9 @@ class Readiness:
         return await full() if ok else (ok, detail)
 
     def _runner(self):
-        return getattr(self.executor, "runner", None)
+        """The Ray executor while it holds its actors (a local executor has none to watch)."""
+        executor = self.executor
+        return executor if getattr(executor, "started", False) and hasattr(executor, "actors") else None
 
     def _watch(self, group: bytes) -> None:
         job = ray.get_runtime_context().get_job_id()  # the replica's actors are its job's

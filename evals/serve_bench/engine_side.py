@@ -9,12 +9,14 @@ from typing import Any
 
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.evals.serve_bench.datasets import BenchRequest
-from k3ray.sampling_params import SamplingParams
+from k3ray.sampling_params import RequestOutputKind, SamplingParams
 
 
 def params_for(request: BenchRequest) -> SamplingParams:
-    """What the benchmark client asks the server for: greedy, exactly output_len tokens."""
-    return SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+    """What the benchmark client asks the server for: greedy, exactly output_len tokens, as deltas
+    (what the server asks its engine for)."""
+    return SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True,
+                          output_kind=RequestOutputKind.DELTA)
 
 
 def run_on_engine(engine: LLMEngine, requests: Sequence[BenchRequest], concurrency: int | None) -> dict[str, Any]:
@@ -33,9 +35,10 @@ def run_on_engine(engine: LLMEngine, requests: Sequence[BenchRequest], concurren
                 engine.add_request(f"bench-{i}", list(request.prompt_ids), params_for(request))
                 in_flight.add(f"bench-{i}")
             for out in engine.step():
-                if out.finished and out.request_id in in_flight:
-                    in_flight.discard(out.request_id)
-                    output_tokens += len(out.outputs[0].token_ids)
+                if out.request_id in in_flight:
+                    output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    if out.finished:
+                        in_flight.discard(out.request_id)
     except BaseException:
         for request_id in in_flight:
             engine.abort_request(request_id)

@@ -9,10 +9,10 @@ from k3ray.engine.llm import LLM
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.media import local_vision_encoder
 from k3ray.engine.media_inputs import MediaInputError, MultiModalConfig
-from k3ray.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from k3ray.engine.outputs import CompletionOutput, Logprob, OutputAccumulator, RequestMetrics, RequestOutput
 from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.engine.stats import EngineStats
-from k3ray.sampling_params import SamplingParams, StructuredOutputsParams
+from k3ray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -30,8 +30,10 @@ __all__ = [
     "Logprob",
     "MediaInputError",
     "MultiModalConfig",
+    "OutputAccumulator",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "SpeculativeConfig",
     "StepPlan",

@@ -3,7 +3,7 @@ request.
 
     engine = AsyncEngine(LLMEngine(LocalExecutor(model), EngineConfig()))
     async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=32), "req-1"):
-        print(out.outputs[0].token_ids)      # cumulative; the last one has out.finished
+        print(out.outputs[0].token_ids)      # of params.output_kind; the last one has out.finished
 
 Engine steps run in a worker thread, so the event loop stays responsive; requests and aborts are
 queued and applied between steps (the engine itself is single-threaded).
@@ -18,11 +18,11 @@ from contextlib import aclosing
 
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.llm_engine import LLMEngine
-from k3ray.engine.outputs import RequestOutput, follow
+from k3ray.engine.outputs import RequestOutput, follow, latest, merge_deltas
 from k3ray.engine.sequence import Request
 from k3ray.engine.stats import EngineStats
 from k3ray.engine.step_or_abort import step_or_abort
-from k3ray.sampling_params import SamplingParams
+from k3ray.sampling_params import RequestOutputKind, SamplingParams
 from k3ray.vision import ProcessedMedia
 
 
@@ -38,7 +38,8 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
                        media: Seq[ProcessedMedia] | None = None) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as tokens arrive, the last with finished=True. Raises ValueError before
+        """Outputs (of params.output_kind: cumulative, deltas, or the final one) as tokens arrive, the
+        last with finished=True. Raises ValueError before
         the first output if the request cannot run; leaving the iteration early aborts it. `media`:
         see LLMEngine.make_request (it is encoded in the step loop, off the event loop)."""
         if request_id in self._streams:
@@ -49,7 +50,8 @@ class AsyncEngine:
         self._pending.append(request)
         self._start()
         # closing this generator closes follow() at once, which aborts the request
-        async with aclosing(follow(queue, lambda: self.abort(request_id))) as outputs:
+        combine = merge_deltas if request.params.output_kind is RequestOutputKind.DELTA else latest
+        async with aclosing(follow(queue, lambda: self.abort(request_id), combine)) as outputs:
             async for out in outputs:
                 yield out
 

@@ -4,12 +4,13 @@ work does not stall steps and steps do not stall HTTP work. Same interface as As
 
     client = EngineClient.start(functools.partial(build, args))   # the factory runs in the child
     async for out in client.generate(prompt_ids, SamplingParams(max_tokens=32), "req-1"):
-        print(out.outputs[0].token_ids)      # cumulative; the last one has out.finished
+        print(out.outputs[0].token_ids)      # of params.output_kind; the last one has out.finished
     await client.shutdown()
 
-Outputs cross the socket as deltas (output_delta.py); a reader and a sender thread do the blocking
-socket I/O, so the event loop never waits on the engine. A consumer that falls behind gets the
-latest cumulative output instead of every intermediate one. If the engine process dies, every
+Outputs cross the socket as the engine's deltas (a request's prompt only in its first); a caller
+that asked for cumulative outputs gets them built here. A reader and a sender thread do the
+blocking socket I/O, so the event loop never waits on the engine. A consumer that falls behind
+gets the outputs it missed combined into one. If the engine process dies, every
 open stream fails with a RuntimeError naming its exit code, `alive` turns False, and new requests
 are refused with the same error.
 """
@@ -28,15 +29,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from contextlib import aclosing
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
+from k3ray.engine.engine_core_proc import WirePrompts
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.errors import ModelUnavailableError
-from k3ray.engine.output_delta import DeltaDecoder
-from k3ray.engine.outputs import RequestOutput, follow
+from k3ray.engine.outputs import OutputAccumulator, RequestOutput, follow, latest, merge_deltas
 from k3ray.engine.pipe import recv, send
 from k3ray.engine.stats import EngineStats
-from k3ray.sampling_params import SamplingParams
+from k3ray.sampling_params import RequestOutputKind, SamplingParams
 from k3ray.vision import ProcessedMedia
 
 SHUTDOWN_GRACE_S = 10.0
@@ -52,7 +54,7 @@ class EngineClient:
         self.info = info
         self._conn = conn
         self._stats = stats
-        self._decoder = DeltaDecoder()
+        self._prompts = WirePrompts()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: RuntimeError | None = None
@@ -89,8 +91,9 @@ class EngineClient:
     # requests ---------------------------------------------------------------------------------
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
                        media: Seq[ProcessedMedia] | None = None) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as tokens arrive, the last with finished=True. Raises ValueError before
-        the first output if the request cannot run; leaving the iteration early aborts it."""
+        """Outputs (of params.output_kind: cumulative, deltas, or the final one) as tokens arrive, the
+        last with finished=True. Raises ValueError before the first output if the request cannot
+        run; leaving the iteration early aborts it."""
         self._attach()
         if self._error is not None:
             raise self._error
@@ -99,13 +102,21 @@ class EngineClient:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        # cumulative outputs are built on this side: only deltas cross the socket
+        accumulator = OutputAccumulator() if params.output_kind is RequestOutputKind.CUMULATIVE else None
+        if accumulator is not None:
+            params = replace(params, output_kind=RequestOutputKind.DELTA)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt), params,
                     list(media) if media else None, time.monotonic()))
+        combine = merge_deltas if params.output_kind is RequestOutputKind.DELTA else latest
         # closing this generator closes follow() at once, which aborts the request
-        async with aclosing(follow(stream, lambda: self.abort(request_id))) as outputs:
+        async with aclosing(follow(stream, lambda: self.abort(request_id), combine)) as outputs:
             async for out in outputs:
+                if accumulator is not None:
+                    accumulator.add(out)
+                    out = accumulator.output()
                 yield out
 
     def abort(self, request_id: str) -> None:
@@ -181,16 +192,16 @@ class EngineClient:
         fn(*args)
 
     def _on_message(self, message: tuple) -> None:
-        kind, deltas, errors, stats = message
+        kind, outputs, errors, stats = message
         assert kind == "step", f"unexpected message {kind!r}"
         self._stats = stats
         for request_id, error in errors:
-            self._decoder.forget(request_id)
+            self._prompts.forget(request_id)
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put_nowait(error)
-        for delta in deltas:
-            out = self._decoder.decode(delta)
+        for out in outputs:
+            out = self._prompts.restore(out)
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)

@@ -9,8 +9,10 @@ even while it builds the engine or runs a long step (it never reads the socket t
 Messages in:  ("add", request_id, prompt, params, media, arrival_time) | ("abort", request_id)
               | ("shutdown",); the first message is the engine factory (a picklable callable).
 Messages out: ("ready", EngineInfo, EngineStats) | ("failed", error) once, then
-              ("step", [OutputDelta], [(request_id, error)], EngineStats) whenever something happened,
-              and at least every STATS_EVERY_S while steps run.
+              ("step", [RequestOutput], [(request_id, error)], EngineStats) whenever something
+              happened, and at least every STATS_EVERY_S while steps run. The outputs are what the
+              requests' output_kind asks for (EngineClient asks deltas); a request's prompt and its
+              ids travel in its first output only (WirePrompts).
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ import pickle
 import sys
 import threading
 import time
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from k3ray.engine.engine_info import EngineInfo
-from k3ray.engine.output_delta import DeltaEncoder
+from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.pipe import recv, send
 from k3ray.engine.step_or_abort import step_or_abort
-
 
 # steps without outputs (a long prefill) still report the stats this often, for admission and metrics
 STATS_EVERY_S = 0.25
@@ -41,9 +43,39 @@ def portable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+class WirePrompts:
+    """A request's prompt crosses the socket once: `strip` (engine side) drops it from every output
+    but the first, `restore` (client side) puts it back. One instance per side."""
+
+    def __init__(self) -> None:
+        self._prompts: dict[str, tuple[str | None, list[int] | None]] = {}
+
+    def strip(self, out: RequestOutput) -> RequestOutput:
+        first = out.request_id not in self._prompts
+        if out.finished:
+            self._prompts.pop(out.request_id, None)
+        elif first:
+            self._prompts[out.request_id] = (None, None)  # sent: the engine holds the prompt itself
+        return out if first else replace(out, prompt=None, prompt_token_ids=None)
+
+    def restore(self, out: RequestOutput) -> RequestOutput:
+        if out.prompt_token_ids is None:
+            prompt, ids = self._prompts[out.request_id]
+            out = replace(out, prompt=prompt, prompt_token_ids=ids)
+        elif not out.finished:
+            self._prompts[out.request_id] = (out.prompt, out.prompt_token_ids)
+        if out.finished:
+            self._prompts.pop(out.request_id, None)
+        return out
+
+    def forget(self, request_id: str) -> None:
+        """The request ended without a finished output (it failed)."""
+        self._prompts.pop(request_id, None)
+
+
 def serve_engine(engine, conn: Connection) -> None:
     """Run until the parent sends ("shutdown",) or closes the socket."""
-    encoder = DeltaEncoder()
+    prompts = WirePrompts()
     last_sent = time.monotonic()
     while True:
         outputs, errors = [], []
@@ -72,12 +104,12 @@ def serve_engine(engine, conn: Connection) -> None:
             if step.aborted:  # the step failed: every request it took down fails with the cause
                 error = portable(step.error)
                 for request_id in step.aborted:
-                    encoder.forget(request_id)
+                    prompts.forget(request_id)
                     errors.append((request_id, error))
             errors.extend((request_id, portable(e)) for request_id, e in engine.take_failed())
         if outputs or errors or time.monotonic() - last_sent >= STATS_EVERY_S:
             try:
-                send(conn, ("step", [encoder.encode(o) for o in outputs], errors, engine.get_stats()))
+                send(conn, ("step", [prompts.strip(o) for o in outputs], errors, engine.get_stats()))
             except (EOFError, OSError):
                 return
             last_sent = time.monotonic()

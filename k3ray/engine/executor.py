@@ -1,5 +1,6 @@
-"""Executors run StepPlans on a model. `LocalExecutor` holds the model in this process; a Ray
-executor (k3ray.actors) implements the same four methods over pipeline-stage actors."""
+"""Executors run StepPlans on a model. `LocalExecutor` holds the model in this process; the Ray
+executor (k3ray.actors) implements the same interface over pipeline-stage actors. Besides
+stepping, every executor answers `health()` and `shutdown()`, so a server asks them of any."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ class Executor(ABC):
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture decode steps of up to max_batch sequences as CUDA graphs, where the executor can
         (called once, right after allocate_cache). Default: every step runs eagerly."""
+
+    def health(self) -> dict:
+        """Whether the model can step now: {"healthy": bool, "state": "serving" | "recovering" | ...,
+        "cause": why not (or None), "actors": {name: state}, "lost_nodes": {node id: [actors last
+        there]}}. Default: a model in this process, healthy while the process runs."""
+        return {"healthy": True, "state": "serving", "cause": None, "actors": {}, "lost_nodes": {}}
+
+    def shutdown(self) -> None:
+        """Release what the executor holds outside this process (actors, placement groups); safe to
+        call twice. Default: nothing (the model goes with the process)."""
 
     @property
     def has_draft_model(self) -> bool:

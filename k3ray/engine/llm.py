@@ -38,7 +38,7 @@ from k3ray.engine.media_inputs import (
 from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.stats import EngineStats
 from k3ray.models.k3 import K3ForCausalLM
-from k3ray.sampling_params import SamplingParams
+from k3ray.sampling_params import RequestOutputKind, SamplingParams
 from k3ray.tokenizer.load import tokenizer_for
 from k3ray.vision import K3VisionModel, MediaConfig, ProcessedMedia, has_vision_weights, load_vision
 from k3ray.weights.loader import load_model
@@ -151,8 +151,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(inputs):
                 raise ValueError(f"{len(params)} sampling_params for {len(inputs)} prompts")
+        # only the final outputs are kept: the engine builds no other
         requests = [
-            self.engine.make_request(f"llm-{next(self._ids)}", prompt, sp, media=media)
+            self.engine.make_request(f"llm-{next(self._ids)}", prompt, _final_only(sp), media=media)
             for (prompt, media), sp in zip(inputs, params)
         ]
         for request in requests:
@@ -160,7 +161,7 @@ class LLM:
         finals: dict[str, RequestOutput] = {}
         try:
             while len(finals) < len(requests):
-                for out in self.engine.step(finished_only=True):
+                for out in self.engine.step():
                     finals[out.request_id] = out
                 for _, error in self.engine.take_failed():  # a grammar that could not be compiled
                     raise error
@@ -189,6 +190,13 @@ def _load(model, dtype: torch.dtype, device: torch.device, tokenizer=None):
         return model.to(device), tokenizer_for(None, tokenizer)
     model = _checkpoint_dir(model)
     return load_model(model, dtype=dtype, device=device), tokenizer_for(model, tokenizer)
+
+
+def _final_only(params: SamplingParams | None):
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        return params  # make_request names the problem
+    return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _prompt_list(prompts) -> list:

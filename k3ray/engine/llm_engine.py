@@ -270,15 +270,15 @@ class LLMEngine:
         request.metrics.finished_time = time.monotonic()
         if not self.requests:
             self._busy_since = None
-        return request.output()
+        return request.output_of_kind(finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # stepping ---------------------------------------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """One engine step -> the outputs of the requests it advanced (with finished_only, of those it
-        finished: what a caller that keeps only final outputs needs, without building the rest)."""
+    def step(self) -> list[RequestOutput]:
+        """One engine step -> the outputs of the requests it advanced, each of its params.output_kind:
+        cumulative, what is new since its previous output (DELTA), or only when it finishes (FINAL_ONLY)."""
         self._admit_grammars()
         # a step's time runs from the previous one's end while requests remained: what a waiting
         # request sees (the caller's work between steps included); idle time is never counted
@@ -303,7 +303,7 @@ class LLMEngine:
         processed = self._process(out, logits)
         self.scheduler.commit(out, processed)
         self.stats.num_steps += 1
-        outputs = self._outputs(out, finished_only)
+        outputs = self._outputs(out)
         ended = time.monotonic()
         self._observe_rates(out, ended - started)
         self._busy_since = ended if self.requests else None
@@ -414,7 +414,7 @@ class LLMEngine:
         targets = request.prompt_token_ids[first : stop + 1]
         request.prompt_logprobs += logprob_entries(rows[skip : skip + len(targets)], targets, request.params.prompt_logprobs)
 
-    def _outputs(self, out: SchedulerOutput, finished_only: bool = False) -> list[RequestOutput]:
+    def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
         touched: dict[str, Request] = {}
         for sc in out.seqs:
             if sc.num_new_tokens or sc.seq.finished:
@@ -427,8 +427,9 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 del self.requests[rid]
                 self.stats.finished(request.metrics, max(s.num_output_tokens for s in request.seqs))
-            if finished or not finished_only:
-                outputs.append(request.output())
+            output = request.output_of_kind(finished)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     # metrics ----------------------------------------------------------------------------------

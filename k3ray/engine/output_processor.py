@@ -44,27 +44,37 @@ class OutputProcessor:
         return False
 
     def _push_text(self, seq: Sequence, token: int) -> bool:
-        """Stream the token's text; a stop string ends the sequence and is cut from the text."""
+        """Stream the token's text; a stop string ends the sequence and is cut from the text. Only
+        the held-back tail (shorter than the longest stop string) and the new piece are searched:
+        text already released cannot hold the start of a stop."""
         params = seq.params
-        checked = len(seq.full_text)
-        seq.full_text += seq.detokenizer.push(token)
-        if params.stop:
-            kept, stop = truncate_at_stop(seq.full_text, params.stop, search_from=checked)
-            if stop is not None:
-                seq.full_text = kept + (stop if params.include_stop_str_in_output else "")
-                seq.text = seq.full_text
-                return self._finish(seq, "stop", stop, flush=False)
-        held = stop_prefix_len(seq.full_text, params.stop) if params.stop else 0
-        seq.text = seq.full_text[: len(seq.full_text) - held]
+        piece = seq.detokenizer.push(token)
+        if not params.stop:
+            _release(seq, piece)
+            return False
+        tail = seq.held_text + piece
+        kept, stop = truncate_at_stop(tail, params.stop)
+        if stop is not None:
+            seq.held_text = ""
+            _release(seq, kept + (stop if params.include_stop_str_in_output else ""))
+            return self._finish(seq, "stop", stop, flush=False)
+        held = stop_prefix_len(tail, params.stop)
+        seq.held_text = tail[len(tail) - held :]
+        _release(seq, tail[: len(tail) - held])
         return False
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, flush: bool = True) -> bool:
         if flush and seq.detokenizer is not None:
-            seq.full_text += seq.detokenizer.flush()
-            seq.text = seq.full_text
+            _release(seq, seq.held_text + seq.detokenizer.flush())
+            seq.held_text = ""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.status = SequenceStatus.FINISHED
         return True
 
     def abort(self, seq: Sequence) -> None:
         self._finish(seq, "abort", None)
+
+
+def _release(seq: Sequence, text: str) -> None:
+    if text:
+        seq.text_parts.append(text)

@@ -15,7 +15,7 @@ import torch
 
 from k3ray.engine.media import PromptMedia
 from k3ray.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from k3ray.sampling_params import SamplingParams
+from k3ray.sampling_params import RequestOutputKind, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -37,13 +37,17 @@ class Sequence:
         self.num_computed_tokens = 0
         self.generator = generator
         self.detokenizer = detokenizer
-        self.text = ""  # what a stream may show: full_text minus a possible stop-string start
-        self.full_text = ""
+        self.text_parts: list[str] = []  # the text a stream may show, appended to only
+        self.held_text = ""  # the text after it that may be the start of a stop string
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[PositionLogprobs] | None = [] if self.params.logprobs is not None else None
         self.grammar = None  # a GrammarState when the output is constrained (structured outputs)
+        # how much of it the request's delta outputs have carried
+        self.num_tokens_sent = 0
+        self.num_text_parts_sent = 0
+        self.finish_sent = False
         # cache bookkeeping (Scheduler)
         self.state_slot: int | None = None
         self.spec_slots: list[int] = []
@@ -72,13 +76,39 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
     def completion(self) -> CompletionOutput:
+        """Everything so far (O(length): built only for a caller that asked for cumulative outputs)."""
         return CompletionOutput(
             index=self.index,
             text=self.text,
             token_ids=self.output_token_ids,
             cumulative_logprob=None if self.output_logprobs is None else self.cumulative_logprob,
             logprobs=None if self.output_logprobs is None else list(self.output_logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def delta(self) -> CompletionOutput | None:
+        """What is new since the previous delta (None: nothing), marked sent: O(what is new)."""
+        new_ids = self.token_ids[self.prompt_len + self.num_tokens_sent :]
+        newly_finished = self.finished and not self.finish_sent
+        if not new_ids and len(self.text_parts) == self.num_text_parts_sent and not newly_finished:
+            return None
+        logprobs = None if self.output_logprobs is None else self.output_logprobs[self.num_tokens_sent :]
+        text = "".join(self.text_parts[self.num_text_parts_sent :])
+        self.num_tokens_sent += len(new_ids)
+        self.num_text_parts_sent = len(self.text_parts)
+        self.finish_sent = self.finished
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=new_ids,
+            cumulative_logprob=None if self.output_logprobs is None else self.cumulative_logprob,
+            logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -102,6 +132,7 @@ class Request:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
+        self.num_prompt_logprobs_sent = 0  # by delta outputs
 
     @property
     def finished(self) -> bool:
@@ -111,7 +142,38 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
+    def output_of_kind(self, finished: bool) -> RequestOutput | None:
+        """The output its params.output_kind asks for now (None: nothing to send); `finished`: the
+        request's, as the caller just read it (a step reads it once per request)."""
+        kind = self.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY:
+            return self.output() if finished else None
+        return self.delta_output() if kind is RequestOutputKind.DELTA else self.output()
+
+    def delta_output(self) -> RequestOutput | None:
+        """What changed since the previous delta: new tokens, text and logprobs of the sequences that
+        advanced or finished (with best_of > n, none until all finish, then the n best)."""
+        if self.params.num_sequences != self.params.n:
+            return self.output()
+        completions = [d for d in (s.delta() for s in self.seqs) if d is not None]
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = self.prompt_logprobs[self.num_prompt_logprobs_sent :]
+            self.num_prompt_logprobs_sent = len(self.prompt_logprobs)
+        if not completions and not prompt_logprobs and not self.finished:
+            return None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=self.finished,
+            metrics=self.metrics,
+        )
+
     def output(self) -> RequestOutput:
+        """Everything so far (cumulative)."""
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

@@ -4,8 +4,8 @@ on real shards: test_moe_fan_out.py)."""
 
 import pytest
 import torch
-
 from k3ray.actors.pipeline.expert_placement import Placement, balance, max_over_mean
+
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.tokenizer import load_tokenizer
 from k3ray.weights import load_model
@@ -51,9 +51,8 @@ def test_pair_owners_alternate_over_copies_in_step_order():
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
 from k3ray.actors.pipeline.executor import RayExecutor  # noqa: E402
-
+from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
 
 ON_NODES = dict(stage_resources={"CPU": 1, "stage_node": 1}, shard_resources={"CPU": 1, "shard_node": 1},
                 router_resources={"CPU": 0.5, "stage_node": 1})
@@ -85,7 +84,7 @@ def test_rebalancing_during_a_greedy_stream_changes_no_output(ray_cluster, tiny_
     executor = RayExecutor(tiny_checkpoint, parallel)
     try:
         got = stream(LLMEngine(executor, CONFIG, tok), tok)
-        placements = executor.runner.expert_placements()
+        placements = executor.expert_placements()
     finally:
         executor.shutdown()
     for p in placements:  # both stages took up placements with replicas during the stream

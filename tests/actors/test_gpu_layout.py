@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from k3ray.actors.pipeline.runner import actor_bundles, hop_transport  # noqa: E402
+from k3ray.actors.pipeline.executor import actor_bundles, hop_transport  # noqa: E402
 from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
 from k3ray.actors.serve.config import ServeArgs  # noqa: E402
 from k3ray.cli import main as cli_main  # noqa: E402

@@ -10,9 +10,8 @@ from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
 from k3ray.actors.pipeline.executor import RayExecutor  # noqa: E402
-
+from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 ON_NODES = dict(stage_resources={"CPU": 1, "stage_node": 1}, shard_resources={"CPU": 1, "shard_node": 1},

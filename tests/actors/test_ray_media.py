@@ -18,10 +18,11 @@ from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
 from k3ray.actors.cluster.ray_connect import connect  # noqa: E402  ray.init off the repository root
-
+from k3ray.actors.pipeline.executor import (
+    RayExecutor,  # noqa: E402
+    actor_bundles,  # noqa: E402
+)
 from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
-from k3ray.actors.pipeline.executor import RayExecutor  # noqa: E402
-from k3ray.actors.pipeline.runner import actor_bundles  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=40, block_size=8, num_blocks=96, snapshot_interval=1)

@@ -11,8 +11,8 @@ from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
 
+from k3ray.actors.pipeline.executor import RayExecutor  # noqa: E402
 from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailure  # noqa: E402
-from k3ray.actors.pipeline.runner import RayModelRunner  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 BS = 8
@@ -47,7 +47,7 @@ def local_model(tiny_checkpoint):
 @pytest.mark.parametrize("pipeline, expert_parallel, dispatch", [(2, 2, "router"), (1, 4, "direct"), (2, 2, "compiled")])
 def test_ray_pipeline_equals_local(ray_cluster, tiny_checkpoint, local_model, pipeline, expert_parallel, dispatch):
     parallel = ParallelConfig(pipeline, expert_parallel, moe_dispatch=dispatch, **ON_NODES)
-    runner = RayModelRunner(tiny_checkpoint, parallel, SPEC)
+    runner = RayExecutor(tiny_checkpoint, parallel, SPEC)
     try:
         nodes = {name.split()[0]: node for name, node in runner.placement.items()}
         stage_nodes = {n for name, n in runner.placement.items() if name.startswith("stage")}
@@ -78,7 +78,7 @@ def test_dead_actor_fails_the_step_fast_then_recovers(ray_cluster, tiny_checkpoi
     breaks the stage's compiled graph (compiled again over the restarted shard), and a restarted
     stage restarts its shards, which the dead stage's graph still holds."""
     parallel = ParallelConfig(2, 2, call_timeout_s=60, moe_dispatch=dispatch, **ON_NODES)
-    runner = RayModelRunner(tiny_checkpoint, parallel, SPEC)
+    runner = RayExecutor(tiny_checkpoint, parallel, SPEC)
     try:
         ids = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(0))
         first, second = steps(ids, [9, 1])
@@ -117,7 +117,7 @@ def test_node_that_leaves_shows_in_health_and_fails_steps(ray_cluster, tiny_chec
     cluster.wait_for_nodes()
     parallel = ParallelConfig(1, 2, stage_resources={"CPU": 1, "stage_node": 1},
                               shard_resources={"CPU": 1, "doomed_node": 1}, call_timeout_s=30, max_restarts=0)
-    runner = RayModelRunner(tiny_checkpoint, parallel, SPEC)
+    runner = RayExecutor(tiny_checkpoint, parallel, SPEC)
     try:
         assert runner.health()["healthy"]
         cluster.remove_node(extra)

@@ -19,7 +19,7 @@ import yaml
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.pipeline.runner import actor_bundles  # noqa: E402
+from k3ray.actors.pipeline.executor import actor_bundles  # noqa: E402
 from k3ray.actors.serve.app import deployment_options  # noqa: E402
 from k3ray.actors.serve.config import ServeArgs  # noqa: E402
 from k3ray.actors.serve.engine import engine_config  # noqa: E402

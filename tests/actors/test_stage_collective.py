@@ -12,7 +12,7 @@ from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
 
-from k3ray.actors.pipeline.runner import RayModelRunner, hop_transport  # noqa: E402
+from k3ray.actors.pipeline.executor import RayExecutor, hop_transport  # noqa: E402
 from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailure  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,14 +56,14 @@ def test_gloo_hops_equal_host_and_local_and_survive_a_stage_restart(ray_cluster,
     plans = [prefill(row, slot) for slot, row in enumerate(ids)]
     ref = local_logits(tiny_checkpoint, plans)
     parallel = ParallelConfig(2, 2, **ON_NODES)
-    host = RayModelRunner(tiny_checkpoint, parallel, SPEC, name="host")
+    host = RayExecutor(tiny_checkpoint, parallel, SPEC, name="host")
     try:
         assert host.hop_transport == "host"
         host_out = [host.step(p) for p in plans]
     finally:
         host.shutdown()
 
-    runner = RayModelRunner(tiny_checkpoint, ParallelConfig(2, 2, stage_transport="gloo", **ON_NODES), SPEC, name="gloo")
+    runner = RayExecutor(tiny_checkpoint, ParallelConfig(2, 2, stage_transport="gloo", **ON_NODES), SPEC, name="gloo")
     try:
         assert runner.hop_transport == runner.health()["hop_transport"] == "gloo"
         out = runner.step(plans[0])

@@ -8,8 +8,9 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 ray = pytest.importorskip("ray")
 
+from k3ray.actors.pipeline.executor import RayExecutor  # noqa: E402
 from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig  # noqa: E402
-from k3ray.actors.pipeline.runner import RayModelRunner  # noqa: E402
+
 from k3ray.engine.plan import BatchPlan  # noqa: E402
 from k3ray.models.forward_batch import ModelCache  # noqa: E402
 from k3ray.weights import load_model  # noqa: E402
@@ -46,7 +47,7 @@ def test_ray_pipeline_2x2_on_one_gpu_equals_local(ray_one_gpu, tiny_checkpoint):
     model = load_model(tiny_checkpoint, torch.float32, device="cuda")
     cache = ModelCache.allocate(model.config, SPEC.num_state_slots, SPEC.num_blocks, BS, device="cuda")
     plan = list(steps(torch.randint(0, 256, (19,), generator=torch.Generator().manual_seed(0)), [12, 1, 5, 1]))
-    runner = RayModelRunner(tiny_checkpoint, ParallelConfig(2, 2, **ONE_GPU), SPEC)
+    runner = RayExecutor(tiny_checkpoint, ParallelConfig(2, 2, **ONE_GPU), SPEC)
     try:
         infos = ray.get([h.ready.remote() for name, h in runner.actors() if not name.startswith("router")], timeout=60)
         assert all(info["device"].startswith("cuda") and info["gpu_ids"] for info in infos), infos

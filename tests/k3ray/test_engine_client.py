@@ -1,11 +1,12 @@
 """The engine in its own process (EngineClient) against the same engine in process (AsyncEngine):
 identical streams, errors, aborts and stats; a dead engine process fails its streams with a clear
-error instead of hanging them; and the output deltas rebuild every output exactly."""
+error instead of hanging them; and the engine's delta outputs add up to its cumulative ones exactly."""
 
 import asyncio
 import functools
 import os
 import signal
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -14,7 +15,9 @@ from k3ray.actors.serve.config import ServeArgs
 from k3ray.actors.serve.engine import local_engine
 from k3ray.engine import AsyncEngine, SamplingParams
 from k3ray.engine.engine_client import EngineClient
-from k3ray.engine.output_delta import DeltaDecoder, DeltaEncoder
+from k3ray.engine.engine_core_proc import WirePrompts
+from k3ray.engine.outputs import OutputAccumulator
+from k3ray.sampling_params import RequestOutputKind
 
 GREEDY_STOP_PROMPT = "stop here"
 
@@ -174,17 +177,30 @@ def test_leaving_a_stream_aborts_it_and_frees_its_cache(client):
     assert outs[-1].finished
 
 
-def test_output_deltas_rebuild_every_output(args, requests):
-    engine = local_engine(args)
-    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+def test_delta_outputs_add_up_to_the_cumulative_ones(args, requests):
+    """Two engines, the same requests in lockstep: one asked for deltas, one for cumulative outputs;
+    after every step the deltas so far add up to the cumulative output (stop strings cut, n=2, logprobs
+    and prompt logprobs included), each delta carries only the step's new tokens, and nothing is left
+    in the wire's prompt bookkeeping once the requests finish."""
+    deltas, cumulative = local_engine(args), local_engine(args)
     for i, (prompt, params) in enumerate(requests):
-        engine.add_request(f"d{i}", prompt, params)
+        deltas.add_request(f"d{i}", prompt, replace(params, output_kind=RequestOutputKind.DELTA))
+        cumulative.add_request(f"d{i}", prompt, params)
+    accumulators = {f"d{i}": OutputAccumulator() for i in range(len(requests))}
+    engine_side, client_side = WirePrompts(), WirePrompts()
     seen = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert _comparable(decoder.decode(encoder.encode(out))) == _comparable(out)
+    while cumulative.has_unfinished_requests():
+        want = {out.request_id: out for out in cumulative.step()}
+        got = deltas.step()
+        assert sorted(o.request_id for o in got) == sorted(want)
+        for out in got:
+            assert all(len(c.token_ids) <= 1 for c in out.outputs)  # one step decodes one token
+            out = client_side.restore(engine_side.strip(out))
+            accumulators[out.request_id].add(out)
+            assert _comparable(accumulators[out.request_id].output()) == _comparable(want[out.request_id])
             seen += 1
-    assert seen > 3 and not encoder._requests and not decoder._outputs  # finished requests are forgotten
+    assert seen > 3 and not deltas.has_unfinished_requests()
+    assert not engine_side._prompts and not client_side._prompts  # finished requests are forgotten
 
 
 def test_a_dead_engine_process_fails_its_streams(args):

@@ -1,5 +1,7 @@
-"""Continuous batching and chunked prefill against the model itself (k3ray.api.K3 as the oracle:
-one sequence, whole-prompt prefill, then token-by-token decode, no engine)."""
+"""Continuous batching and chunked prefill against the model itself (the oracle: the argmax of
+K3.logits over the whole sequence, token by token, no engine and no cache carried between tokens)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,8 +10,10 @@ from k3ray.api import K3
 from k3ray.config import preset
 from k3ray.engine import LLM, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.engine.config import EngineConfig
+from k3ray.engine.outputs import OutputAccumulator
 from k3ray.engine.plan import pad_block_tables
 from k3ray.models.init import build_model
+from k3ray.sampling_params import RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -56,11 +60,21 @@ def run(engine, prompts, params):
     return [finals[str(i)] for i in range(len(prompts))]
 
 
+def greedy_oracle(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
+    """Each next token the argmax of the whole sequence's logits; EOS included, and it ends."""
+    k3, seq, out = K3(model), list(prompt), []
+    while len(out) < max_new_tokens:
+        out.append(int(k3.logits(seq)[-1].argmax()))
+        seq.append(out[-1])
+        if stop_at_eos and out[-1] == model.config.eos_token_id:
+            break
+    return out
+
+
 def test_greedy_equals_the_model_oracle():
     model = build_model(preset("k3-tiny"), seed=0)
     prompts = random_prompts([1, 30])
-    oracle = K3(model)
-    expected = [oracle.generate(p, max_new_tokens=8) for p in prompts]  # stops at EOS like the engine
+    expected = [greedy_oracle(model, p, 8) for p in prompts]
     outs = LLM(model, num_blocks=64, block_size=8).generate(prompts, SamplingParams(temperature=0, max_tokens=8))
     assert token_ids(outs) == expected
 
@@ -118,7 +132,7 @@ def test_a_long_prompt_runs_in_bounded_chunks(model):
                                               enable_prefix_caching=False))
     out = run(engine, [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert max(executor.tokens_per_step) == 128
-    assert out.outputs[0].token_ids == K3(model).generate(prompt, max_new_tokens=4)
+    assert out.outputs[0].token_ids == greedy_oracle(model, prompt, 4, stop_at_eos=False)
 
 
 def test_preemption_by_recompute_gives_the_same_tokens(model):
@@ -167,21 +181,28 @@ def test_cache_accounting_is_exact(model):
     assert usage["bytes_used"] == 5 * usage["state_slot_bytes"] + 3 * usage["block_bytes"]
 
 
-def test_finished_only_steps_return_the_same_final_outputs(model):
-    """step(finished_only=True) (what LLM.generate asks for) skips the unfinished requests' outputs
-    and nothing else: the finals equal those of plain steps."""
+@pytest.mark.parametrize("kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA])
+def test_final_only_and_delta_outputs_give_the_same_final_outputs(model, kind):
+    """FINAL_ONLY (what LLM.generate asks for) skips the unfinished requests' outputs and nothing else;
+    DELTA outputs carry each step's new token only and add up to the same finals."""
     prompts = random_prompts([5, 9, 2], seed=7)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     plain = run(LLMEngine(LocalExecutor(model), EngineConfig(num_blocks=64, block_size=4)), prompts, params)
     engine = LLMEngine(LocalExecutor(model), EngineConfig(num_blocks=64, block_size=4))
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, replace(params, output_kind=kind))
     seen = []
     while engine.has_unfinished_requests():
-        seen += engine.step(finished_only=True)
-    assert all(o.finished for o in seen) and sorted(o.request_id for o in seen) == ["0", "1", "2"]
-    finals = {o.request_id: o for o in seen}
-    assert token_ids([finals[str(i)] for i in range(3)]) == token_ids(plain)
+        seen += engine.step()
+    if kind is RequestOutputKind.FINAL_ONLY:
+        assert all(o.finished for o in seen)
+    else:
+        assert all(len(o.outputs[0].token_ids) == 1 for o in seen)
+    finals = {}
+    for o in seen:
+        finals.setdefault(o.request_id, OutputAccumulator()).add(o)
+    assert sorted(finals) == ["0", "1", "2"]
+    assert token_ids([finals[str(i)].output() for i in range(3)]) == token_ids(plain)
 
 
 def test_block_tables_pad_with_zeros():

@@ -6,6 +6,7 @@ import torch
 import k3ray.models.k3 as k3_module
 from k3ray.api import K3
 from k3ray.config import k3_config, k3_tiny_config
+from k3ray.engine import LLM, SamplingParams
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.init import build_model
 from k3ray.models.k3 import K3ForCausalLM
@@ -183,6 +184,23 @@ def test_api_generate_greedy_matches_argmax_chain(tiny, ids):
     assert sampled == k3.generate(ids[:10].tolist(), max_new_tokens=5, temperature=1.0, seed=7)
     with pytest.raises(ValueError, match="max_new_tokens"):
         k3.generate([1], max_new_tokens=0)
+
+
+def test_api_generate_is_the_engines_generation(tiny, ids):
+    """K3.generate runs the engine (LLM): the same tokens greedy and seeded, EOS and stop ids ending
+    it; one engine serves its calls, built anew only for a longer request."""
+    k3, llm = K3(tiny), LLM(tiny, enforce_eager=True)
+    prompt = ids[:10].tolist()
+    for params, kwargs in [(SamplingParams(temperature=0, max_tokens=6), {}),
+                           (SamplingParams(temperature=1.0, seed=7, max_tokens=6), {"temperature": 1.0, "seed": 7})]:
+        assert k3.generate(prompt, max_new_tokens=6, **kwargs) == llm.generate([prompt], params)[0].outputs[0].token_ids
+    greedy = k3.generate(prompt, max_new_tokens=6)
+    assert k3.generate(prompt, max_new_tokens=6, stop_token_ids=[greedy[2]]) == greedy[:3]
+    engine = k3._engine
+    k3.generate(prompt[:5], max_new_tokens=3)
+    assert k3._engine is engine
+    k3.generate(ids[:40].tolist(), max_new_tokens=60)
+    assert k3._engine is not engine and k3._engine_blocks >= 2
 
 
 def test_long_context_absorbed_prefill_equals_expanded(tiny, ids, monkeypatch):
