@@ -17,11 +17,10 @@ import argparse
 import json
 import sys
 
-from k3ray.evals.extra import require_eval_extra
-
 from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
 from k3ray.cli_flags import add_deprecated_alias
 from k3ray.device_flags import add_device_argument, add_dtype_argument, add_enforce_eager_argument
+from k3ray.evals.extra import require_eval_extra
 from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "long-context and multimodal evals against an endpoint or engine"
@@ -164,9 +163,9 @@ def _target(args: argparse.Namespace):
 def _engine_target(args: argparse.Namespace):
     # lazy: torch and the engine only for --model
     import torch
-    from k3ray.evals.engine_target import EngineTarget
 
     from k3ray.engine import LLM
+    from k3ray.evals.engine_target import EngineTarget
     if args.cache_memory_mb <= 0:
         raise ValueError(f"--cache-memory-mb must be > 0, got {args.cache_memory_mb}")
     set_threads(args.threads)
@@ -179,8 +178,9 @@ def _engine_target(args: argparse.Namespace):
 
 def lm_eval_main(args: argparse.Namespace) -> int:
     # lazy: lm-eval (the eval extra) only for `k3ray eval lm-eval`
-    from k3ray.evals import lm_eval_bridge as bridge
     from lm_eval.utils import make_table
+
+    from k3ray.evals import lm_eval_bridge as bridge
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:

@@ -117,6 +117,7 @@ def _evaluate_shard(shard, target: Target, seed: int, reserve_generation: bool) 
 def _on_ray(jobs, target: Target, config: RunConfig, progress: TokenProgress) -> Iterator[dict[str, Any]]:
     # lazy: Ray only for --executor ray
     import ray
+
     from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
 
     if not ray.is_initialized():

@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from k3ray.cli_flags import add_deprecated_alias
-
 from k3ray.checkpoints import SHIPPED, shipped_checkpoint_dir
+from k3ray.cli_flags import add_deprecated_alias
 from k3ray.config import PRESETS, ModelConfig, preset
 
 MODEL_CONFIG_HELP = (f"a preset ({', '.join(PRESETS)}), a shipped checkpoint name ({', '.join(SHIPPED)}), "

@@ -120,8 +120,8 @@ class ServeRay:
         if self.head is None:
             from ray.cluster_utils import Cluster
 
-            from k3ray.actors.serve import launch as serve_launch
             from k3ray.actors.cluster.ray_connect import neutral_cwd
+            from k3ray.actors.serve import launch as serve_launch
 
             self.environment = serve_launch.local_environment("haproxy")
             with pytest.MonkeyPatch.context() as patch, neutral_cwd():
@@ -166,8 +166,8 @@ def serve_app(serve_ray, request):
     connected to is left for the module and rejoined after."""
     import ray
 
-    from k3ray.actors.serve import launch as serve_launch
     from k3ray.actors.cluster.ray_connect import connect
+    from k3ray.actors.serve import launch as serve_launch
 
     previous = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
     if previous is not None:

@@ -4,10 +4,10 @@ import os
 import pathlib
 import subprocess
 import sys
-import tomllib
 import zipfile
 
 import pytest
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAPPED = {"k3ray": "k3ray", "k3ray.kernels": "kernels", "k3ray.actors": "actors", "k3ray.evals": "evals"}

@@ -6,11 +6,12 @@ bench serve's long dataset, read through `datasets`) ends with one line naming t
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
-from k3ray.evals.extra import EVAL_MODULES, INSTALL, missing_eval_modules
+import tomllib
 from packaging.requirements import Requirement
+
+from k3ray.evals.extra import EVAL_MODULES, INSTALL, missing_eval_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 # tqdm is in the extra (the evals import it) but not hidden here: every install has it through

@@ -19,7 +19,6 @@ import statistics
 import time
 
 from k3ray.actors.pipeline.moe_dispatch_modes import DEFAULT_MOE_DISPATCH, MOE_DISPATCH_MODES
-
 from k3ray.bench.common import machine
 from k3ray.cli_flags import add_deprecated_alias
 
@@ -100,18 +99,19 @@ def _interleaved_medians(timed: dict, rounds: int, per_round: int) -> dict[str, 
 def run(args: argparse.Namespace) -> dict:
     # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
+
     from k3ray.actors.pipeline.protocol import ParallelConfig
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import ray
+
     from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
     from k3ray.actors.pipeline.executor import RayExecutor
     from k3ray.actors.pipeline.moe_dispatch import fan_out, split
     from k3ray.actors.pipeline.protocol import CacheSpec
     from k3ray.actors.pipeline.wire import pack, unpack_raw
-
     from k3ray.default_model import default_checkpoint_dir
     from k3ray.models.forward_batch import ModelCache
     from k3ray.weights import load_model

@@ -31,6 +31,11 @@ from dataclasses import dataclass, replace
 
 import ray
 import torch
+from ray.experimental.collective import create_collective_group, destroy_collective_group
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.placement_group import placement_group as ray_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from k3ray.actors.pipeline.actor_bundles import actor_bundles
 from k3ray.actors.pipeline.expert_shard import ExpertShard
 from k3ray.actors.pipeline.faults import ALIVE, REPLACED, RESTARTED, PipelineFaults
@@ -40,11 +45,6 @@ from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, PipelineLo
 from k3ray.actors.pipeline.stage import PipelineStage
 from k3ray.actors.pipeline.vision_encoder import VisionEncoder
 from k3ray.actors.pipeline.wire import unpack
-from ray.experimental.collective import create_collective_group, destroy_collective_group
-from ray.util.placement_group import PlacementGroup, remove_placement_group
-from ray.util.placement_group import placement_group as ray_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
 from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
 from k3ray.engine.cache_manager import CacheGeometry, CacheLayout

@@ -12,13 +12,13 @@ import time
 
 import ray
 import torch
+
 from k3ray.actors.pipeline.actor_device import assigned_device, placement_info
 from k3ray.actors.pipeline.expert_placement import Placement
 from k3ray.actors.pipeline.moe_dispatch import DirectDispatch, MoEDispatch, RemoteExperts, make_dispatch
 from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailure, WirePlan
 from k3ray.actors.pipeline.restartable import Restartable
 from k3ray.actors.pipeline.wire import Bundle, pack, unpack, unpack_tagged
-
 from k3ray.config import ModelConfig
 from k3ray.models.forward_batch import ModelCache
 from k3ray.models.init import build_model

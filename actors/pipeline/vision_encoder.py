@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import ray
 import torch
+
 from k3ray.actors.pipeline.actor_device import assigned_device, placement_info
 from k3ray.actors.pipeline.restartable import Restartable
-
 from k3ray.vision import encode_media, load_vision
 
 

@@ -19,6 +19,11 @@ import logging
 import os
 
 import ray
+from ray import serve
+from ray.serve import Application
+from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
+
 from k3ray.actors.openai.admission import Admission, AdmissionLimits
 from k3ray.actors.openai.routes import build_openai_app
 from k3ray.actors.openai.serving import OpenAIServing
@@ -33,11 +38,6 @@ from k3ray.actors.serve.replica_bundles import replica_bundles
 from k3ray.actors.serve.replica_grpc_bind import bind_replica_grpc_to
 from k3ray.actors.serve.replica_readiness import Readiness, answer_checks_with
 from k3ray.actors.serve.request_routing import PREFIXES_STAT, PrefixAffinityRequestRouter
-from ray import serve
-from ray.serve import Application
-from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
-from ray.serve.config import BackpressureConfig, RequestRouterConfig
-
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
 from k3ray.tokenizer import load_tokenizer

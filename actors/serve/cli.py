@@ -43,9 +43,10 @@ def app_args(args: argparse.Namespace) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     # lazy: pydantic (the settings) stays out of `k3ray --help`
+    from pydantic import ValidationError
+
     from k3ray.actors.serve.config import APP_NAME, DEFAULT_INGRESS, LOOPBACK, ServeArgs
     from k3ray.actors.serve.flags import command_flags, launch_settings, serve_args
-    from pydantic import ValidationError
 
     try:
         launch = launch_settings(args)

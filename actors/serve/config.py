@@ -10,6 +10,8 @@ import ipaddress
 import os
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from k3ray.actors.openai.limits import DEFAULT_MAX_BODY_BYTES
 from k3ray.actors.pipeline.moe_dispatch_modes import (
     DEFAULT_MOE_DISPATCH,
@@ -17,8 +19,6 @@ from k3ray.actors.pipeline.moe_dispatch_modes import (
     DEFAULT_REDUNDANT_EXPERTS,
     MoEDispatchMode,
 )
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from k3ray.default_model import checkpoint_dir
 
 APP_NAME = "k3ray"

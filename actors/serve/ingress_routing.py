@@ -17,15 +17,15 @@ import json
 import logging
 import os
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from k3ray.actors.openai.protocol import ChatMessage
-from k3ray.actors.serve.request_routing import HASHES_KWARG
 from k3ray.actors.serve.replica_grpc_bind import bind_replica_grpc_to
+from k3ray.actors.serve.request_routing import HASHES_KWARG
 from k3ray.engine.block_pool import hash_block
 from k3ray.tokenizer import load_tokenizer
 from k3ray.tokenizer.chat import normalize_chat_role

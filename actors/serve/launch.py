@@ -13,17 +13,18 @@ import time
 from collections.abc import Iterator
 
 import ray
-from k3ray.actors.cluster.node_environment import node_environment
-from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
-from k3ray.actors.serve.app import build_app
-from k3ray.actors.serve.config import APP_NAME, DEFAULT_INGRESS, LOOPBACK
-from k3ray.actors.serve.isolation import isolation_environment, make_runtime_dir, remove_runtime_dir
 from ray import serve
 from ray._private import ray_constants, services
 from ray.serve._private import build_app as serve_build_app
 from ray.serve._private import constants as serve_constants
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.context import _disconnect, _get_global_client
+
+from k3ray.actors.cluster.node_environment import node_environment
+from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
+from k3ray.actors.serve.app import build_app
+from k3ray.actors.serve.config import APP_NAME, DEFAULT_INGRESS, LOOPBACK
+from k3ray.actors.serve.isolation import isolation_environment, make_runtime_dir, remove_runtime_dir
 
 START_ATTEMPTS = 3
 

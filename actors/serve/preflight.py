@@ -10,7 +10,6 @@ import os
 import socket
 
 from k3ray.actors.serve.config import ServeArgs
-
 from k3ray.tokenizer import load_tokenizer
 from k3ray.weights.checkpoint_dir import check_shard_files, open_weight_map, read_config
 

@@ -32,6 +32,7 @@ import tempfile
 import threading
 
 import psutil
+
 from k3ray.actors.serve.isolation import remove_stale_runtime_dirs
 
 MARK = "K3RAY_SERVE_MARK"
@@ -153,6 +154,7 @@ def delete_app(address: str, app: str) -> None:
     and Serve itself running."""
     # lazy: Ray only to delete the app on a joined cluster: the reaper process starts in a blink
     import ray
+
     from k3ray.actors.cluster.ray_connect import connect
     from k3ray.actors.serve import launch as serve_launch
 

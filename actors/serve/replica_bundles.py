@@ -8,7 +8,6 @@ import os
 
 from k3ray.actors.pipeline.actor_bundles import actor_bundles
 from k3ray.actors.serve.config import ServeArgs, resources
-
 from k3ray.config import ModelConfig
 
 

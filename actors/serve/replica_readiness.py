@@ -24,9 +24,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 import ray
-from k3ray.actors.cluster.placement_table import actor_table, current_actors, model_roles, state_name
 from ray._private import state as ray_state
 from ray.serve._private import replica
+
+from k3ray.actors.cluster.placement_table import actor_table, current_actors, model_roles, state_name
 
 logger = logging.getLogger(__name__)
 WATCH_S = 0.1  # between looks at the actors' states in GCS (one read of the job's actor table)

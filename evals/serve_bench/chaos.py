@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 import psutil
 import ray
-from k3ray.evals.serve_bench.server import auth_headers, local_serve_app, server_facts
 
 from k3ray.bench.common import machine
+from k3ray.evals.serve_bench.server import auth_headers, local_serve_app, server_facts
 from k3ray.threads import resolved_threads
 
 TARGETS = {"stage": "ray::PipelineStage", "shard": "ray::ExpertShard", "replica": "ServeReplica:k3ray:K3Server"}

@@ -19,11 +19,10 @@ import math
 import statistics
 from typing import Any
 
-from k3ray.evals.serve_bench import datasets
-
 from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
 from k3ray.bench.common import machine
 from k3ray.cli_flags import add_deprecated_alias
+from k3ray.evals.serve_bench import datasets
 from k3ray.threads import add_threads_argument, resolved_threads
 
 HELP = "served TTFT / TPOT / ITL / throughput vs the in-process engine"
@@ -214,6 +213,7 @@ def _level(args, url, model, engine, batches, offsets, level, percentiles, slos)
 def _bench(args, url, levels, counts, percentiles, slos, serve_args) -> dict[str, Any]:
     # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     import httpx
+
     from k3ray.evals.serve_bench import metrics
     from k3ray.evals.serve_bench.engine_side import run_on_engine
     from k3ray.evals.serve_bench.load import arrival_offsets, run_load

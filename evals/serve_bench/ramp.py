@@ -25,14 +25,13 @@ import time
 from typing import Any
 
 import numpy as np
+
 from k3ray.actors.serve.config import APP_NAME
+from k3ray.bench.common import machine
 from k3ray.evals.serve_bench import datasets
 from k3ray.evals.serve_bench.client import open_session, stream_completion
 from k3ray.evals.serve_bench.load import run_load
 from k3ray.evals.serve_bench.server import local_serve_app, server_facts
-from ray import serve
-
-from k3ray.bench.common import machine
 from k3ray.threads import resolved_threads
 
 POLICIES = ("llm", "ongoing-requests")
@@ -100,6 +99,8 @@ class ReplicaWatch:
         self._thread.join()
 
     def _poll(self) -> None:
+        from ray import serve  # lazy: Ray stays out of `k3ray bench --help` (it loads every benchmark)
+
         while not self._stop.is_set():
             states = serve.status().applications[APP_NAME].deployments["K3Server"].replica_states
             self.timeline.append((time.perf_counter() - self.start, states.get("RUNNING", 0), sum(states.values())))

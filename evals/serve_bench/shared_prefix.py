@@ -25,17 +25,13 @@ from typing import Any
 
 import httpx
 import numpy as np
-from k3ray.actors.serve import launch as serve_launch
+from prometheus_client.parser import text_string_to_metric_families
+
 from k3ray.actors.serve.config import APP_NAME
-from k3ray.actors.serve.haproxy_wrapper import announced_listeners
-from k3ray.actors.serve.ingress_routing import haproxy_routes_through_router
-from k3ray.actors.serve.metrics_listener import runtime_dir
+from k3ray.bench.common import machine
 from k3ray.evals.serve_bench.client import open_session, stream_completion
 from k3ray.evals.serve_bench.datasets import BenchRequest, ordinary_token_range
 from k3ray.evals.serve_bench.server import server_facts, wait_healthy
-from prometheus_client.parser import text_string_to_metric_families
-
-from k3ray.bench.common import machine
 from k3ray.threads import resolved_threads
 
 INPUT_LEN, OUTPUT_LEN = 1024, 4  # defaults: a first prompt whose prefill dominates a turn's TTFT
@@ -84,6 +80,10 @@ async def run_conversations(url: str, model: str, convs: list[list], timeout: fl
 def prefix_counters(replicas: int, timeout_s: float = 60.0) -> tuple[float, float]:
     """(prefix-cache hit tokens, looked-up tokens) summed over the app's `replicas` live replicas,
     from each replica's metrics listener (announced in the server's runtime folder)."""
+    # lazy: Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
+    from k3ray.actors.serve.haproxy_wrapper import announced_listeners
+    from k3ray.actors.serve.metrics_listener import runtime_dir
+
     deadline = time.monotonic() + timeout_s
     while len(ports := announced_listeners(runtime_dir()).get(APP_NAME, [])) != replicas:
         if time.monotonic() > deadline:
@@ -102,6 +102,10 @@ def prefix_counters(replicas: int, timeout_s: float = 60.0) -> tuple[float, floa
 def measure(args, serve_args: dict, name: str, lengths: tuple[int, int]) -> dict[str, Any]:
     """Deploy one configuration, warm it up, run the workload (the same for every configuration):
     its hit rate and TTFTs. lengths: (first prompt, reply) tokens."""
+    # lazy: Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
+    from k3ray.actors.serve import launch as serve_launch
+    from k3ray.actors.serve.ingress_routing import haproxy_routes_through_router
+
     replicas, router = CONFIGS[name]
     app_args = {**serve_args, "autoscaling": {"min_replicas": replicas, "max_replicas": replicas},
                 "routing": {"request_router": router, "routing_stats_period_s": 1.0}}
@@ -138,6 +142,9 @@ def measure(args, serve_args: dict, name: str, lengths: tuple[int, int]) -> dict
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.endpoint is not None:
         raise ValueError("--workload shared-prefix starts its own apps (two replicas, then one); drop --endpoint")
+    # lazy: Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
+    from k3ray.actors.serve import launch as serve_launch
+
     for name in ("conversations", "turns", "turn_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -114,6 +114,7 @@ def _soak(args: argparse.Namespace, url: str, local: bool) -> dict[str, Any]:
 async def _drive(args, url: str, model: str, local: bool) -> tuple[Counter, list, float]:
     # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     import httpx
+
     from k3ray.evals.serve_bench.server import auth_headers
 
     outcomes: Counter = Counter()

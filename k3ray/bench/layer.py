@@ -18,8 +18,8 @@ from k3ray.bench.common import machine, median_time, under_torch
 from k3ray.bench.kernels import H200_BYTES_PER_S
 from k3ray.cli_flags import add_deprecated_alias
 from k3ray.config import ModelConfig
-from k3ray.model_source import MODEL_CONFIG_HELP, model_config
 from k3ray.device_flags import add_device_argument, add_dtype_argument
+from k3ray.model_source import MODEL_CONFIG_HELP, model_config
 from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "one full-width decoder layer of each kind: prefill tok/s, decode step time, HBM roofline"

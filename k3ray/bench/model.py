@@ -9,8 +9,8 @@ import time
 
 from k3ray.bench.common import machine, median_time
 from k3ray.cli_flags import add_deprecated_alias
-from k3ray.model_source import add_random_model_argument, model_config
 from k3ray.device_flags import add_device_argument, add_enforce_eager_argument
+from k3ray.model_source import add_random_model_argument, model_config
 from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "tiny K3 model prefill / decode tokens/s on this machine"

@@ -28,7 +28,7 @@ from k3ray.engine.media_inputs import MultiModalConfig
 from k3ray.engine.output_processor import OutputProcessor
 from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.sampler import logprob_entries, sample
-from k3ray.engine.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
+from k3ray.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from k3ray.engine.sequence import Request, Sequence
 from k3ray.engine.spec import NgramProposer, verify
 from k3ray.engine.stats import EngineStats, StatsCollector

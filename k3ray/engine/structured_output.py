@@ -32,8 +32,8 @@ import torch
 import xgrammar as xgr
 from xgrammar import structural_tag as tag
 
-from k3ray.strict_json import FIELD, checked_schema, schema_with_placeholders, splice
 from k3ray.sampling_params import StructuredOutputsParams, ToolCallsFormat, tool_schema_field
+from k3ray.strict_json import FIELD, checked_schema, schema_with_placeholders, splice
 
 ANY_OBJECT = '{"type": "object"}'
 CALL_INDEX = "0|[1-9][0-9]{0,3}"  # the INDEX of functions.NAME:INDEX

@@ -18,7 +18,6 @@ from k3ray.kernels.mla.naive import absorbed_mla_attention, naive_mla_attention
 from k3ray.models.forward_batch import ForwardBatch
 from k3ray.models.norm import RMSNorm
 
-
 # a sequence whose expanded prefill scores (new tokens x context x heads) would exceed this many
 # elements attends in the absorbed, key-chunked form instead: bounded memory at 1M-token contexts
 EXPANDED_PREFILL_MAX_SCORES = 1 << 26

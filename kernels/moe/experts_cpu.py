@@ -16,7 +16,6 @@ import torch
 
 from k3ray.kernels.moe.naive import expert_weight, situ_glu
 
-
 GATHER_MAX_ELEMENTS = 1 << 18  # gathered weight elements (pairs x 3 matrices) of the batched path
 # rows x held experts x 3 I Dl: up to this, fp32 runs every held expert on every row (tiny K3 decode
 # and short prefill: ~2x faster than gathering here; the gather wins again from ~4M with 2 of 8 routed)

@@ -56,8 +56,8 @@ def nodes():
     (4 CPUs) without READY, a lost worker (1 CPU) with CHECK_INTER 5s; all on 127.0.0.1."""
     from ray.cluster_utils import Cluster
 
-    from k3ray.actors.serve import launch as serve_launch
     from k3ray.actors.cluster.ray_connect import neutral_cwd
+    from k3ray.actors.serve import launch as serve_launch
     from k3ray.actors.serve.isolation import remove_runtime_dir
 
     env = serve_launch.local_environment("haproxy")  # the node settings and this instance's own ports

@@ -4,8 +4,8 @@ on real shards: test_moe_fan_out.py)."""
 
 import pytest
 import torch
-from k3ray.actors.pipeline.expert_placement import Placement, balance, max_over_mean
 
+from k3ray.actors.pipeline.expert_placement import Placement, balance, max_over_mean
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.tokenizer import load_tokenizer
 from k3ray.weights import load_model

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from k3ray.actors.openai.routes import build_openai_app
 from k3ray.actors.openai.serving import OpenAIServing
 from k3ray.actors.pipeline.protocol import StageFailure
-from k3ray.repeat_log import RepeatLog
 from k3ray.engine import AsyncEngine, EngineConfig, LLMEngine, LocalExecutor
+from k3ray.repeat_log import RepeatLog
 from k3ray.tokenizer import load_tokenizer
 from k3ray.weights import load_model
 

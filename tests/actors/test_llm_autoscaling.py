@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 
 pytest.importorskip("ray")
-from ray.serve.autoscaling_policy import _apply_autoscaling_config  # noqa: E402  Serve's wrapper
 from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
+from ray.serve.autoscaling_policy import _apply_autoscaling_config  # noqa: E402  Serve's wrapper
 from ray.serve.config import AutoscalingConfig, AutoscalingContext  # noqa: E402
 
-from k3ray.actors.serve import load_signals as sig  # noqa: E402
 from k3ray.actors.openai.admission import Admission, AdmissionLimits  # noqa: E402
+from k3ray.actors.serve import load_signals as sig  # noqa: E402
 from k3ray.actors.serve.autoscaling import STATE_KEY, LLMAutoscalingPolicy, serve_autoscaling_config  # noqa: E402
 from k3ray.actors.serve.config import AutoscalingSettings  # noqa: E402
 from k3ray.engine.stats import EngineStats  # noqa: E402

@@ -6,8 +6,16 @@ import random
 import pytest
 
 from k3ray.actors.serve.ingress_routing import block_chain, prompt_ids
-from k3ray.actors.serve.request_routing import (MATCH_PROBES, PROBE_ALL, PROBE_OTHERS, HeldPrefixes, match_depth,
-                                                 pick_replica, probe_targets, snapshot_boundaries)
+from k3ray.actors.serve.request_routing import (
+    MATCH_PROBES,
+    PROBE_ALL,
+    PROBE_OTHERS,
+    HeldPrefixes,
+    match_depth,
+    pick_replica,
+    probe_targets,
+    snapshot_boundaries,
+)
 from k3ray.engine.llm import LLM
 from k3ray.sampling_params import SamplingParams
 

@@ -9,7 +9,12 @@ import httpx
 import pytest
 import ray
 
-from k3ray.actors.serve.ingress_routing import block_chain, haproxy_routes_through_router, prompt_ids, serve_haproxy_config
+from k3ray.actors.serve.ingress_routing import (
+    block_chain,
+    haproxy_routes_through_router,
+    prompt_ids,
+    serve_haproxy_config,
+)
 from k3ray.actors.serve.request_routing import PREFIXES_STAT
 from k3ray.tokenizer import load_tokenizer
 

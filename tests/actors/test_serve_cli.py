@@ -20,10 +20,10 @@ import yaml
 ray = pytest.importorskip("ray")
 
 from k3ray.actors.pipeline.executor import actor_bundles  # noqa: E402
+from k3ray.actors.serve import cli as serve_cmd  # noqa: E402
 from k3ray.actors.serve.app import deployment_options  # noqa: E402
 from k3ray.actors.serve.config import ServeArgs  # noqa: E402
 from k3ray.actors.serve.engine import engine_config  # noqa: E402
-from k3ray.actors.serve import cli as serve_cmd  # noqa: E402
 from k3ray.actors.serve.flags import launch_settings  # noqa: E402
 from k3ray.config import ModelConfig  # noqa: E402
 

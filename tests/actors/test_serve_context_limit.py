@@ -4,9 +4,9 @@ both numbers and the flags that raise it, with the cache size that holds the mod
 import re
 
 import pytest
+
 from k3ray.actors.serve.config import ServeArgs
 from k3ray.actors.serve.engine import build_engine, context_limit_note
-
 from k3ray.default_model import checkpoint_dir
 from k3ray.engine.engine_info import EngineInfo
 

@@ -15,8 +15,16 @@ from pydantic import ValidationError
 
 from k3ray.actors.serve import cli as serve_cli
 from k3ray.actors.serve.config import LaunchSettings, ServeArgs
-from k3ray.actors.serve.flags import (LAUNCH_GROUP, command_flags, fields, flag, given, launch_settings, scalar,
-                                      serve_args)
+from k3ray.actors.serve.flags import (
+    LAUNCH_GROUP,
+    command_flags,
+    fields,
+    flag,
+    given,
+    launch_settings,
+    scalar,
+    serve_args,
+)
 from k3ray.actors.serve.yaml_config import serve_config_yaml
 
 # the flags `k3ray serve` had before they were generated (README, tests and scripts use them)

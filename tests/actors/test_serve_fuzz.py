@@ -10,8 +10,13 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3ray.actors.openai.protocol import (MAX_SEED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                         TokenizeRequest)
+from k3ray.actors.openai.protocol import (
+    MAX_SEED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from k3ray.actors.openai.routes import build_openai_app
 from k3ray.actors.openai.serving import OpenAIServing
 from k3ray.actors.serve.config import ServeArgs

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from k3ray.actors.serve.haproxy_wrapper import _config_path, k3ray_config
 from k3ray.actors.cluster.node_environment import node_environment
+from k3ray.actors.serve.haproxy_wrapper import _config_path, k3ray_config
 from k3ray.actors.serve.isolation import isolation_environment, make_runtime_dir, remove_runtime_dir
 
 # the shape of Ray 2.60's rendered template, trimmed to the lines the rewrite looks at

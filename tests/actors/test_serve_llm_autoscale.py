@@ -36,8 +36,8 @@ SETTINGS = {
 def gang(checkpoint: str) -> tuple[float, Counter]:
     """CPUs of one replica's placement group, and its model actors by class."""
     from k3ray.actors.pipeline.actor_bundles import actor_bundles
-    from k3ray.actors.serve.replica_bundles import replica_bundles
     from k3ray.actors.serve.config import ServeArgs
+    from k3ray.actors.serve.replica_bundles import replica_bundles
     from k3ray.config import ModelConfig
 
     args = ServeArgs.model_validate({**SETTINGS, "model": {"model": checkpoint}}).resolved()

@@ -88,8 +88,8 @@ def test_a_bad_checkpoint_or_a_taken_port_fails_in_one_line_within_5_s(tiny_chec
 def test_the_metrics_listener_takes_a_reset_check_quietly(monkeypatch, capfd):
     """HAProxy reads a check's status line and resets the connection: no traceback (there was one
     every second), and the check's own path answers without rendering the metrics."""
-    from k3ray.actors.serve.metrics_listener import CHECK_PATH, MetricsListener
     from k3ray.actors.serve.isolation import make_runtime_dir, remove_runtime_dir
+    from k3ray.actors.serve.metrics_listener import CHECK_PATH, MetricsListener
 
     folder = make_runtime_dir()
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from k3ray.actors.pipeline import wire
-from k3ray.actors.pipeline import protocol  # noqa: F401 - registers BatchPlan's wire pickling
+from k3ray.actors.pipeline import (
+    protocol,  # noqa: F401 - registers BatchPlan's wire pickling
+    wire,
+)
 from k3ray.actors.pipeline.wire import pack, pack_raw, unpack, unpack_raw, unpack_tagged
 from k3ray.engine.plan import BatchPlan
 

@@ -12,8 +12,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from k3ray.cli import main as k3ray_main  # noqa: E402
-from k3ray.evals.engine_target import EngineTarget  # noqa: E402
 from k3ray.evals import progress  # noqa: E402
+from k3ray.evals.engine_target import EngineTarget  # noqa: E402
 from k3ray.evals.openai_target import OpenAITarget  # noqa: E402
 from k3ray.evals.oracle import OracleTarget  # noqa: E402
 from k3ray.evals.runner import RunConfig, run_eval  # noqa: E402

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from k3ray.config import preset
-from k3ray.engine import (LLM, AsyncEngine, EngineConfig, LLMEngine, LocalExecutor, SamplingParams,
-                          SpeculativeConfig)
+from k3ray.engine import LLM, AsyncEngine, EngineConfig, LLMEngine, LocalExecutor, SamplingParams, SpeculativeConfig
 from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.models.init import build_model
 

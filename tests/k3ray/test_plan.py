@@ -3,8 +3,16 @@ import json
 
 import pytest
 
-from k3ray.capacity import (GIB, PlanRequest, build_plan, latent_bytes_per_token, layer_kind, plan, predict_throughput,
-                            problems)
+from k3ray.capacity import (
+    GIB,
+    PlanRequest,
+    build_plan,
+    latent_bytes_per_token,
+    layer_kind,
+    plan,
+    predict_throughput,
+    problems,
+)
 from k3ray.cli import main as cli_main
 from k3ray.config import k3_config, k3_tiny_config
 from k3ray.info import summarize

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3ray.kernels.moe import moe_experts, select_experts, situ_glu
 from k3ray.kernels.moe import experts_cpu as moe_cpu
+from k3ray.kernels.moe import moe_experts, select_experts, situ_glu
 from k3ray.kernels.moe.experts_cpu import moe_experts_cpu
 from k3ray.kernels.moe.experts_triton import moe_experts_triton
 from k3ray.kernels.moe.mxfp4 import GROUP

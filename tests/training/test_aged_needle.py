@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from k3ray.tokenizer import ByteTokenizer
-
 from k3ray_training.aged_needle import main, read_needle
 from k3ray_training.init_weights import trained_niah_model
 from k3ray_training.needle_attention import needle_prompt

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from k3ray.tokenizer import ByteTokenizer
-
 from k3ray_training import model as fixture_model
 from k3ray_training.data import CHAIN_TASK, make_example
 from k3ray_training.model import niah_config, train_logits, trainable_model

@@ -16,22 +16,36 @@ import torch
 import torch.nn.functional as F
 
 from k3ray.api import K3
-from k3ray.evals.tasks import TASKS, Cell
 from k3ray.evals.oracle import OracleTarget
+from k3ray.evals.tasks import TASKS, Cell
 from k3ray.kernels.kda import l2norm
 from k3ray.kernels.kda.naive import naive_chunk_kda
 from k3ray.models.kda import KimiDeltaAttention
 from k3ray.tokenizer import ByteTokenizer
-
 from k3ray_training import data
 from k3ray_training import model as fixture_model
 from k3ray_training.init_weights import initial_weights
 from k3ray_training.kda_train import chunk_kda_train
 from k3ray_training.model import CopySupervision, KdaCarry, niah_config, train_logits, trainable_model
 from k3ray_training.state_bank import StateBank, haystack_ids, initial_states, kda_layers
-from k3ray_training.train import (CONFIGS, LOG_FILE, STATE_FILE, accumulate_step, apply_gains, batch_tensors,
-                                  copy_targets, gather_targets, lead_digit_rows, length_groups, logged_args, main,
-                                  parse_args, prompt_targets, step_examples, train)
+from k3ray_training.train import (
+    CONFIGS,
+    LOG_FILE,
+    STATE_FILE,
+    accumulate_step,
+    apply_gains,
+    batch_tensors,
+    copy_targets,
+    gather_targets,
+    lead_digit_rows,
+    length_groups,
+    logged_args,
+    main,
+    parse_args,
+    prompt_targets,
+    step_examples,
+    train,
+)
 
 TINY_RUN = ["--config", "tiny", "--tokens-per-step", "1024", "--max-haystack", "96", "--lr", "1e-2",
             "--warmup", "1", "--eval-every", "4", "--heldout-per-cell", "1", "--threads", "1"]

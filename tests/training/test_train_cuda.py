@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from k3ray.tokenizer import ByteTokenizer
-
 from k3ray_training import data
 from k3ray_training.model import niah_config, trainable_model
 from k3ray_training.train import accumulate_step
