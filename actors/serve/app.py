@@ -21,7 +21,7 @@ import os
 import ray
 from ray import serve
 from ray.serve import Application
-from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+from ray.serve._private import constants as serve_constants
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from k3ray.actors.openai.admission import Admission, AdmissionLimits
@@ -176,4 +176,5 @@ def build_app(args: dict) -> Application:
 def affinity_routing(args: ServeArgs) -> bool:
     """Prefix-affinity routing applies: asked for, more than one replica possible, and HAProxy in
     front (Serve's proxy passes the replicas no request body to route on)."""
-    return args.routing.request_router == "affinity" and args.autoscaling.max_replicas > 1 and RAY_SERVE_ENABLE_HA_PROXY
+    return args.routing.request_router == "affinity" and args.autoscaling.max_replicas > 1 and \
+        serve_constants.RAY_SERVE_ENABLE_HA_PROXY  # read now: a driver sets it after importing this module

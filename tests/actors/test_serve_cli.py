@@ -41,7 +41,8 @@ def test_no_flags_serve_the_default_model_on_loopback(monkeypatch):
     monkeypatch.delenv("K3RAY_API_KEY", raising=False)
     args = parse([])
     launch = launch_settings(args)
-    assert (launch.host, launch.port, launch.address) == ("127.0.0.1", 8000, None)
+    assert (launch.host, launch.port, launch.address) == (None, 8000, None)  # the host: where the nodes are
+    assert launch.on_nodes(["127.0.0.1"]).host == "127.0.0.1"  # the local instance's one node: loopback
     assert serve_cmd.app_args(args) == {}
     assert ServeArgs.model_validate({}) == ServeArgs()
     monkeypatch.setenv("K3RAY_API_KEY", "from-env")
