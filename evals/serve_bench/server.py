@@ -31,13 +31,14 @@ def local_serve_app(serve_args: dict, port: int | None = None, ingress: str = "h
     import ray
 
     from k3ray.actors.serve import launch as serve_launch
+    from k3ray.actors.serve.isolation import free_port
 
     if ray.is_initialized():
         raise ValueError("this process is already connected to Ray: benchmark its server with --endpoint URL, "
                          "or run `k3ray bench serve` in a fresh process to start a private one")
     started = serve_launch.start_ray(ingress=ingress, num_cpus=max(4, os.cpu_count() or 1), log_to_driver=False)
     try:
-        url = serve_launch.deploy(serve_args, host="127.0.0.1", port=port or serve_launch.free_port(),
+        url = serve_launch.deploy(serve_args, host="127.0.0.1", port=port or free_port(),
                                   proxy_location="HeadOnly")
         wait_healthy(url)
         yield url

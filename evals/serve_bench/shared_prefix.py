@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--workload shared-prefix starts its own apps (two replicas, then one); drop --endpoint")
     # lazy: Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     from k3ray.actors.serve import launch as serve_launch
+    from k3ray.actors.serve.isolation import free_port
 
     for name in ("conversations", "turns", "turn_len"):
         if getattr(args, name) < 1:
@@ -157,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "engine": {"max_num_seqs": 2 * args.conversations, "max_model_len": longest + output_len + 2,
                              "threads": resolved_threads(args.threads)}}
     started = serve_launch.start_ray(ingress="haproxy", num_cpus=max(4, os.cpu_count() or 1), log_to_driver=False)
-    args._port = serve_launch.free_port()
+    args._port = free_port()
     try:
         rows = {name: measure(args, serve_args, name, (input_len, output_len)) for name in CONFIGS}
     finally:

@@ -7,7 +7,7 @@ import pytest
 
 from k3ray.cli import build_parser, main, registry
 
-COMMANDS = {"bench", "eval", "generate", "info", "plan", "serve"}
+COMMANDS = {"bench", "cluster", "eval", "generate", "info", "plan", "serve", "status"}
 BENCHMARKS = {"cluster", "compile", "engine", "kernels", "layer", "model", "serve", "soak"}
 
 
