@@ -49,6 +49,7 @@ from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
 from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
 from k3ray.engine.executor import Executor
+from k3ray.engine.handoff import CacheRecord, HandoffMismatchError
 from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.vision import has_vision_weights
 
@@ -372,6 +373,22 @@ class RayExecutor(Executor):
         if pairs:
             src, dst = [int(a) for a, _ in pairs], [int(b) for _, b in pairs]
             self._get([g.stage.copy_states.remote(src, dst) for g in self.groups], "state copy")
+
+    def read_handoff(self, slot: int, rows: torch.Tensor) -> list[CacheRecord]:
+        """Each stage reads its own layers' part; the parts are one record."""
+        assert self.started, "allocate_cache() first"
+        with self.faults.stepping():
+            parts = self._get([g.stage.read_handoff.remote(slot, rows) for g in self.groups], "handoff read")
+        return [CacheRecord.merge(parts)]
+
+    def write_handoff(self, records: list[CacheRecord], slot: int, rows: torch.Tensor) -> None:
+        """Each stage writes its own layers' part."""
+        assert self.started, "allocate_cache() first"
+        if len(records) != 1:
+            raise HandoffMismatchError(f"the handoff holds {len(records)} models' caches, this pipeline one")
+        with self.faults.stepping():
+            self._get([g.stage.write_handoff.remote(records[0].select(range(*g.layers)), slot, rows)
+                       for g in self.groups], "handoff write")
 
     def expert_load(self) -> list[list[int]]:
         """Per stage: routed (token, expert) pairs per expert since start (Router counters); the

@@ -23,7 +23,7 @@ from ray.dag import InputNode, MultiOutputNode
 
 from k3ray.actors.pipeline.expert_placement import Placement
 from k3ray.actors.pipeline.protocol import StageFailure
-from k3ray.actors.pipeline.wire import Bundle, pack, sum_raw, unpack_raw, unpack_tagged
+from k3ray.actors.pipeline.wire import Bundle, pack, sum_raw, unpack_raw
 from k3ray.models.moe import ExpertBackend
 
 ShardMap = list[tuple[int, int, "ray.actor.ActorHandle"]]  # (e0, e1, shard), covering [0, num_experts)

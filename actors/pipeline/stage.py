@@ -20,6 +20,7 @@ from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailu
 from k3ray.actors.pipeline.restartable import Restartable
 from k3ray.actors.pipeline.wire import Bundle, pack, unpack, unpack_tagged
 from k3ray.config import ModelConfig
+from k3ray.engine.handoff import CacheRecord, read_record, write_record
 from k3ray.models.forward_batch import ModelCache
 from k3ray.models.init import build_model
 from k3ray.vision.placeholders import splice_media_embeddings
@@ -79,6 +80,15 @@ class PipelineStage(Restartable):
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """KDA / conv state slot copies (prefix-cache snapshots, speculative rollback)."""
         self.cache.copy_states(src, dst)
+
+    @torch.inference_mode()
+    def read_handoff(self, slot: int, rows: torch.Tensor) -> CacheRecord:
+        """This stage's layers' part of one sequence's caches (prefill/decode disaggregation)."""
+        return read_record(self.cache, slot, rows)
+
+    @torch.inference_mode()
+    def write_handoff(self, record: CacheRecord, slot: int, rows: torch.Tensor) -> None:
+        write_record(self.cache, record, slot, rows)
 
     def flush_load(self) -> None:
         """Direct dispatch: hand the counts of the steps so far to the router, and wait for it."""

@@ -12,6 +12,7 @@ import torch
 from k3ray.device import to_device
 from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
 from k3ray.engine.cuda_graphs import DecodeGraphs
+from k3ray.engine.handoff import CacheRecord, HandoffMismatchError, read_record, write_record
 from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.k3 import K3ForCausalLM
@@ -37,6 +38,15 @@ class Executor(ABC):
     @abstractmethod
     def propose(self, plan: DraftPlan) -> torch.Tensor:
         """Greedy drafts from the draft model -> int64 CPU [N, plan.num_drafts]."""
+
+    def read_handoff(self, slot: int, rows: torch.Tensor) -> list[CacheRecord]:
+        """Prefill/decode disaggregation: one sequence's caches — the state in `slot` and the latent
+        rows `rows` [n] — of each model (target, then draft), on the CPU."""
+        raise ValueError(f"{type(self).__name__} cannot hand off caches")
+
+    def write_handoff(self, records: list[CacheRecord], slot: int, rows: torch.Tensor) -> None:
+        """The inverse of read_handoff: write each model's record into `slot` and `rows`."""
+        raise ValueError(f"{type(self).__name__} cannot take a handoff")
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture decode steps of up to max_batch sequences as CUDA graphs, where the executor can
@@ -100,6 +110,18 @@ class LocalExecutor(Executor):
             src, dst = torch.tensor(pairs).T
             for cache in self._caches():
                 cache.copy_states(src, dst)
+
+    @torch.inference_mode()
+    def read_handoff(self, slot: int, rows: torch.Tensor) -> list[CacheRecord]:
+        return [read_record(cache, slot, rows) for cache in self._caches()]
+
+    @torch.inference_mode()
+    def write_handoff(self, records: list[CacheRecord], slot: int, rows: torch.Tensor) -> None:
+        caches = self._caches()
+        if len(records) != len(caches):
+            raise HandoffMismatchError(f"the handoff holds {len(records)} models' caches, this engine {len(caches)}")
+        for cache, record in zip(caches, records):
+            write_record(cache, record, slot, rows)
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         if self.device.type != "cuda":

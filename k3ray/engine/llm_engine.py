@@ -13,6 +13,7 @@ import operator
 import random
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
@@ -22,6 +23,7 @@ from k3ray.engine.cache_manager import CacheManager, cache_bytes_for, size_cache
 from k3ray.engine.config import EngineConfig
 from k3ray.engine.executor import Executor
 from k3ray.engine.grammar_compiler import GrammarCompiler, GrammarLimits
+from k3ray.engine.handoff import Handoff, HandoffMismatchError, latent_rows
 from k3ray.engine.logits_processors import process_logits
 from k3ray.engine.media import PromptMedia, VisionEncoderFn, attach_media, encode_pending
 from k3ray.engine.media_inputs import MultiModalConfig
@@ -104,6 +106,8 @@ class LLMEngine:
         self._stepped_at = 0.0  # when the last step began: the requests queued by then are in get_stats()
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
+        self._imports: deque[Request] = deque()  # handed-off requests waiting for room in the caches
+        self._held_queries = 0
 
     # requests ---------------------------------------------------------------------------------
     @property
@@ -117,9 +121,12 @@ class LLMEngine:
         return self.vision_encoder is not None
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, media: Seq[ProcessedMedia] | None = None) -> None:
-        """Queue a request; raises ValueError (changing nothing) if it cannot run."""
-        self.enqueue(self.make_request(request_id, prompt, params, arrival_time, media))
+                    arrival_time: float | None = None, media: Seq[ProcessedMedia] | None = None, *,
+                    export_from: int | None = None, handoff: Handoff | None = None) -> None:
+        """Queue a request; raises ValueError (changing nothing) if it cannot run. `export_from` and
+        `handoff`: prefill/decode disaggregation, see make_request."""
+        self.enqueue(self.make_request(request_id, prompt, params, arrival_time, media, export_from=export_from,
+                                       handoff=handoff))
 
     def enqueue(self, request: Request) -> None:
         """Queue a request built by make_request; one with a grammar reaches the scheduler once its
@@ -129,6 +136,13 @@ class LLMEngine:
         self.requests[request.request_id] = request
         if request.grammar is not None:
             self._awaiting_grammar[request.request_id] = request
+            return
+        self._schedule(request)
+
+    def _schedule(self, request: Request) -> None:
+        """Its sequences to the scheduler, or a handed-off one to wait for its import."""
+        if request.handoff_in is not None:
+            self._imports.append(request)
             return
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -140,11 +154,17 @@ class LLMEngine:
         return failed
 
     def make_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                     arrival_time: float | None = None, media: Seq[ProcessedMedia] | None = None) -> Request:
+                     arrival_time: float | None = None, media: Seq[ProcessedMedia] | None = None, *,
+                     export_from: int | None = None, handoff: Handoff | None = None) -> Request:
         """Validate and build a request without queueing it. With `media` (preprocessed images /
         videos), the prompt holds one media placeholder per item, in order; each is expanded to the
         item's token count (a text prompt is then encoded with special tokens, so the placeholder may
-        be written as its token string)."""
+        be written as its token string).
+
+        Prefill/decode disaggregation (one sequence a request): with `export_from`, the request ends at
+        its first token and its final output carries a Handoff of the caches from prompt token
+        `export_from` on (a multiple of block_size the receiver holds: held_prefix_tokens); with
+        `handoff`, the request starts from one, at its second token."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -161,6 +181,9 @@ class LLMEngine:
         params.validate(self.vocab_size, self.max_model_len, self.config.max_schema_bytes)
         request = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
                           prompt_media)
+        if export_from is not None or handoff is not None:
+            self._check_handoff(request, export_from, handoff)
+            request.export_from, request.handoff_in = export_from, handoff
         if params.structured_outputs is not None:
             request.grammar = self._compile(params.structured_outputs)
         for i in range(params.num_sequences):
@@ -169,6 +192,35 @@ class LLMEngine:
             request.seqs.append(seq)
             self._next_seq_id += 1
         return request
+
+    def _check_handoff(self, request: Request, export_from: int | None, handoff: Handoff | None) -> None:
+        if export_from is not None and handoff is not None:
+            raise ValueError("a request either hands off its prefill (export_from) or continues one (handoff)")
+        if request.params.num_sequences != 1:
+            raise ValueError(f"disaggregated prefill runs one sequence a request; this one asks "
+                             f"{request.params.num_sequences} (n / best_of)")
+        n, bs = len(request.prompt_token_ids), self.cache.block_size
+        if export_from is not None and not (0 <= export_from < n and export_from % bs == 0):
+            raise ValueError(f"export_from={export_from} must be a multiple of block_size={bs} below the prompt's "
+                             f"{n} tokens")
+        if handoff is not None and handoff.prompt_token_ids != request.prompt_token_ids:
+            raise HandoffMismatchError(f"the handoff of request {handoff.request_id!r} is for another prompt "
+                                       f"({handoff.num_prompt_tokens} tokens; this one has {n})")
+
+    def held_prefix_tokens(self, prompt: str | Seq[int], media: Seq[ProcessedMedia] | None = None) -> int:
+        """How many of the prompt's first tokens this engine's prefix cache holds as whole blocks (at most
+        all but its last token): what a prefill engine may leave out of a handoff to it."""
+        if not self.cache.enable_prefix_caching:
+            return 0
+        self._held_queries += 1
+        seq = self.make_request(f"held-prefix-{self._held_queries}", prompt, SamplingParams(max_tokens=1),
+                                media=media).seqs[0]
+        held = 0
+        for h in self.cache.block_hashes(seq, (seq.prompt_len - 1) // self.cache.block_size):
+            if self.cache.blocks.lookup(h) is None:
+                break
+            held += self.cache.block_size
+        return held
 
     def _compile(self, structured_outputs):
         """Start compiling a request's grammar (a GrammarJob); a schema known to fail raises now."""
@@ -219,7 +271,7 @@ class LLMEngine:
             self._structured_outputs = self.grammars.outputs
             for seq in request.seqs:
                 seq.grammar = self._structured_outputs.new_state(job.compiled, request.params.stop_token_ids)
-                self.scheduler.add(seq)
+            self._schedule(request)
 
     def _attach_media(self, ids: list[int], media: Seq[ProcessedMedia]) -> tuple[list[int], PromptMedia]:
         if self.vision_encoder is None:
@@ -263,6 +315,8 @@ class LLMEngine:
             return None
         if self._awaiting_grammar.pop(request_id, None) is not None:
             self.grammars.release(request.grammar)
+        if request in self._imports:
+            self._imports.remove(request)
         for seq in request.seqs:
             if not seq.finished:
                 self.scheduler.free(seq)
@@ -284,30 +338,98 @@ class LLMEngine:
         # request sees (the caller's work between steps included); idle time is never counted
         self._stepped_at = time.monotonic()
         started = self._stepped_at if self._busy_since is None else self._busy_since
+        imported = self._import_handoffs()
         out = self.scheduler.schedule()
         if not out.seqs:
             # the oldest running sequence can always preempt the rest, so work means progress
             assert not self.scheduler.has_work(), "the scheduler made no progress"
-            if self._awaiting_grammar:  # only grammars to wait for: do so a moment instead of spinning
+            if self._awaiting_grammar and not imported:  # only grammars to wait for: wait a moment, not spin
                 self.grammars.wait(GRAMMAR_WAIT_S)
             self._busy_since = None  # nothing to compute: waiting here is idle time for the rates
-            return []
+            return self._outputs_of(imported)
         try:
             self._encode_media(out)
             self._propose(out)
             plan = self.scheduler.make_plan(out)
             logits = self.executor.execute(plan)
+            processed = self._process(out, logits)
+            self._export_handoffs(out)
         except BaseException:
             self.scheduler.fail(out)
             raise
-        processed = self._process(out, logits)
         self.scheduler.commit(out, processed)
         self.stats.num_steps += 1
-        outputs = self._outputs(out)
+        for sc in out.seqs:
+            if sc.num_new_tokens or sc.seq.finished:
+                imported[sc.seq.request.request_id] = sc.seq.request
+        outputs = self._outputs_of(imported)
         ended = time.monotonic()
         self._observe_rates(out, ended - started)
         self._busy_since = ended if self.requests else None
         return outputs
+
+    # prefill/decode disaggregation ------------------------------------------------------------
+    def _import_handoffs(self) -> dict[str, Request]:
+        """Write the waiting handoffs that fit into the caches, oldest first; their first tokens go out
+        now. A handoff that cannot be written (its prefix evicted here since it was asked, a layout
+        that does not match) fails its request (take_failed) -> the requests imported."""
+        imported: dict[str, Request] = {}
+        while self._imports:
+            request = self._imports[0]
+            seq, handoff = request.seqs[0], request.handoff_in
+            try:
+                if not self.scheduler.admit_handoff(seq, handoff.start):
+                    break
+                rows = latent_rows(seq.block_table, handoff.start, seq.prompt_len, self.cache.block_size)
+                self.executor.write_handoff(handoff.unpack().records, seq.state_slot, rows)
+            except Exception as e:  # noqa: BLE001 - this request fails (a mismatch: its sender retries), the rest go on
+                self._imports.popleft()
+                self.scheduler.free(seq)
+                del self.requests[request.request_id]
+                request.metrics.finished_time = time.monotonic()
+                self._failed.append((request.request_id, e))
+                continue
+            self._imports.popleft()
+            request.handoff_in = None
+            self.cache.register_blocks(seq)
+            self._continue_from(seq, handoff)
+            imported[request.request_id] = request
+        return imported
+
+    def _continue_from(self, seq: Sequence, handoff: Handoff) -> None:
+        """Take the prefill side's first token as if sampled here: its sampler state, then the same
+        append path (stop checks, detokenizer, grammar) as a token sampled here."""
+        request = seq.request
+        if handoff.generator_state is not None:
+            seq.generator.set_state(handoff.generator_state)
+        if request.prompt_logprobs is not None and handoff.prompt_logprobs is not None:
+            request.prompt_logprobs = list(handoff.prompt_logprobs)
+        if seq.grammar is not None:
+            seq.grammar.accept(handoff.first_token)
+        self.stats.generation_tokens += 1
+        if self.output_processor.append(seq, handoff.first_token, handoff.first_logprobs):
+            self.scheduler.free(seq)
+
+    def _export_handoffs(self, out: SchedulerOutput) -> None:
+        """Prefill-only sequences that sampled their first token this step end with their handoff."""
+        for sc in out.seqs:
+            seq, request = sc.seq, sc.seq.request
+            if request.export_from is None or not sc.num_new_tokens:
+                continue
+            rows = latent_rows(seq.block_table, request.export_from, seq.prompt_len, self.cache.block_size)
+            request.handoff_out = Handoff(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                start=request.export_from,
+                records=self.executor.read_handoff(seq.state_slot, rows),
+                first_token=seq.token_ids[seq.prompt_len],
+                first_logprobs=seq.output_logprobs[0] if seq.output_logprobs else None,
+                generator_state=seq.generator.get_state() if seq.generator is not None else None,
+                prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+                prefill_seconds=time.monotonic() - request.metrics.arrival_time,
+            )
+            if not seq.finished:
+                self.output_processor.hand_off(seq)
 
     def _observe_rates(self, out: SchedulerOutput, seconds: float) -> None:
         """This step's prefill tokens of each lane and its decode tokens, for the measured rates."""
@@ -414,11 +536,8 @@ class LLMEngine:
         targets = request.prompt_token_ids[first : stop + 1]
         request.prompt_logprobs += logprob_entries(rows[skip : skip + len(targets)], targets, request.params.prompt_logprobs)
 
-    def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
-        touched: dict[str, Request] = {}
-        for sc in out.seqs:
-            if sc.num_new_tokens or sc.seq.finished:
-                touched[sc.seq.request.request_id] = sc.seq.request
+    def _outputs_of(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """The outputs of the requests that advanced or finished (finished ones leave the engine)."""
         outputs = []
         now = time.monotonic()
         for rid, request in touched.items():

@@ -74,6 +74,10 @@ class OutputProcessor:
     def abort(self, seq: Sequence) -> None:
         self._finish(seq, "abort", None)
 
+    def hand_off(self, seq: Sequence) -> None:
+        """A prefill-only sequence ends at its first token: a decode engine continues it."""
+        self._finish(seq, "handoff", None)
+
 
 def _release(seq: Sequence, text: str) -> None:
     if text:

@@ -13,6 +13,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from k3ray.engine.handoff import Handoff
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "handoff" (prefill only)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -65,6 +69,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    handoff: Handoff | None = None  # a prefill-only request's caches and first token, in its final output
 
 
 @dataclass
@@ -119,7 +124,7 @@ class OutputAccumulator:
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
                              None if self._prompt_logprobs is None else list(self._prompt_logprobs),
                              [self._completions[i].output() for i in sorted(self._completions)], last.finished,
-                             last.metrics)
+                             last.metrics, last.handoff)
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 
 from k3ray.engine.cache_manager import CacheManager
 from k3ray.engine.config import EngineConfig
+from k3ray.engine.handoff import HandoffMismatchError
 from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan, pad_block_tables
 from k3ray.engine.sequence import Sequence, SequenceStatus
 
@@ -156,8 +157,9 @@ class Scheduler:
         return short, long
 
     def _max_drafts(self, seq: Sequence) -> int:
-        """Drafts whose acceptance cannot overrun max_tokens or the context limit."""
-        if not self.num_spec:
+        """Drafts whose acceptance cannot overrun max_tokens or the context limit (none for a prefill-only
+        sequence: it ends at its first token)."""
+        if not self.num_spec or seq.request.export_from is not None:
             return 0
         left = self.max_model_len - seq.num_tokens
         if seq.params.max_tokens is not None:
@@ -237,6 +239,40 @@ class Scheduler:
         if seq.request.metrics.first_scheduled_time is None:
             seq.request.metrics.first_scheduled_time = time.monotonic()
         return ScheduledSeq(seq, start, end - start)
+
+    def admit_handoff(self, seq: Sequence, start: int) -> bool:
+        """Start a sequence whose prompt a prefill engine ran (prefill/decode disaggregation): a live slot,
+        the cached blocks of its first `start` prompt tokens and new blocks for the rest of the prompt and
+        its first token; the caller writes the handoff into them. False: no room now (it waits; the
+        sequences running free theirs as they finish). Raises HandoffMismatchError when the cache no longer
+        holds those first blocks."""
+        cache = self.cache
+        if len(self.running) >= self.config.max_num_seqs or cache.states.num_available < self.config.slots_per_seq:
+            return False
+        held = [cache.blocks.lookup(h) for h in cache.block_hashes(seq, start // cache.block_size)]
+        if None in held:
+            raise HandoffMismatchError(f"the prefix of {start} tokens the handoff leaves out is no longer cached here")
+        for b in held:
+            cache.blocks.acquire(b)
+        need = cache.blocks_for(seq.prompt_len + 1) - len(held)
+        room = cache.blocks.num_available
+        if seq.prompt_len + 1 > self.long_threshold:
+            room = min(room, self._long_room(seq) - len(held))
+        if need > room:
+            cache.blocks.release(held)
+            return False
+        slots = cache.states.allocate(self.config.slots_per_seq)
+        seq.state_slot, seq.spec_slots = slots[0], slots[1:]
+        seq.block_table = held + cache.blocks.allocate(need)
+        seq.num_computed_tokens = seq.prompt_len
+        seq.num_registered_blocks = len(held)
+        cache.prefix_queries += seq.prompt_len
+        cache.prefix_hits += start
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        if seq.request.metrics.first_scheduled_time is None:
+            seq.request.metrics.first_scheduled_time = time.monotonic()
+        return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free seq and requeue it first in line; it recomputes (from the prefix cache if it can)."""

@@ -133,6 +133,10 @@ class Request:
             [None] if params.prompt_logprobs is not None else None
         )
         self.num_prompt_logprobs_sent = 0  # by delta outputs
+        # prefill/decode disaggregation (k3ray/engine/handoff.py)
+        self.export_from: int | None = None  # prefill only: hand off the caches from this prompt token on
+        self.handoff_in = None  # decode: the Handoff to continue from, until it is written into the caches
+        self.handoff_out = None  # prefill: the Handoff made once the first token is sampled
 
     @property
     def finished(self) -> bool:
@@ -170,6 +174,7 @@ class Request:
             outputs=completions,
             finished=self.finished,
             metrics=self.metrics,
+            handoff=self.handoff_out,
         )
 
     def output(self) -> RequestOutput:
@@ -182,6 +187,7 @@ class Request:
             outputs=self._completions(),
             finished=self.finished,
             metrics=self.metrics,
+            handoff=self.handoff_out,
         )
 
     def _completions(self) -> list[CompletionOutput]:

@@ -1,0 +1,181 @@
+"""Prefill/decode disaggregation: what a prefill engine hands a decode engine for one request.
+
+A prefill engine runs a prompt and samples its first token; the decode engine continues from the
+caches at the end of the prompt. For K3 that is, per request, the MLA latent rows of the prompt
+tokens the decode side does not hold yet (576 values a token in each MLA layer) and, per KDA layer,
+the recurrent state [H, K, K] fp32 and the conv tail [3 * H * K, W - 1] after the prompt's last
+token: fixed-size, so it always travels (no prefix of the prompt holds it). With it go the first
+token, its log-probs, the sampler's generator state and the prompt's log-probs; the decode side
+replays the first token through its own stop checks, detokenizer, penalties and grammar.
+
+    records = executor.read_handoff(slot, rows)       # prefill side: [start, prompt_len) rows
+    executor.write_handoff(records, slot, rows)       # decode side: into its own slot and blocks
+
+`Handoff.pack()` turns the tensors into one flat byte array (numpy), which Ray's object store
+carries without a copy on read; `Handoff.unpack` reverses it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from k3ray.engine.outputs import PositionLogprobs
+from k3ray.models.forward_batch import ModelCache
+
+ALIGN = 8  # bytes
+
+
+class HandoffMismatchError(ValueError):
+    """The decode side no longer holds the prefix the handoff leaves out (evicted since it was asked),
+    or the handoff is for another prompt or model: run the prefill again from token 0."""
+
+
+@dataclass
+class CacheRecord:
+    """One model's caches of one sequence (keyed by absolute layer index, as ModelCache).
+
+    kda_state[l]  [H, K, K] fp32    after the prompt's last token
+    conv_state[l] [3 * H * K, W - 1]
+    mla_latent[l] [n, D]            the latent rows of prompt positions [start, start + n)
+    """
+
+    kda_state: dict[int, torch.Tensor] = field(default_factory=dict)
+    conv_state: dict[int, torch.Tensor] = field(default_factory=dict)
+    mla_latent: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for kind in ("kda_state", "conv_state", "mla_latent"):
+            for layer, t in getattr(self, kind).items():
+                out[f"{kind}.{layer}"] = t
+        return out
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the state (KDA + conv) and of the latent rows."""
+        def total(d: dict[int, torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in d.values())
+
+        return {"state": total(self.kda_state) + total(self.conv_state), "mla_latent": total(self.mla_latent)}
+
+    def layers(self) -> set[int]:
+        return {*self.kda_state, *self.mla_latent}
+
+    def select(self, layers: range) -> CacheRecord:
+        """The part a pipeline stage of `layers` holds."""
+        def keep(d: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            return {l: t for l, t in d.items() if l in layers}
+
+        return CacheRecord(keep(self.kda_state), keep(self.conv_state), keep(self.mla_latent))
+
+    @classmethod
+    def merge(cls, parts: list[CacheRecord]) -> CacheRecord:
+        """The stages' parts as one record (their layers are disjoint)."""
+        merged = cls()
+        for p in parts:
+            merged.kda_state.update(p.kda_state)
+            merged.conv_state.update(p.conv_state)
+            merged.mla_latent.update(p.mla_latent)
+        return merged
+
+
+def read_record(cache: ModelCache, slot: int, rows: torch.Tensor) -> CacheRecord:
+    """Copy one sequence's state (slot) and latent rows [n] out of `cache`, to the CPU."""
+    return CacheRecord(
+        {l: t[slot].cpu().clone() for l, t in cache.kda_state.items()},
+        {l: t[slot].cpu().clone() for l, t in cache.conv_state.items()},
+        {l: t[rows.to(t.device)].cpu() for l, t in cache.mla_latent.items()},
+    )
+
+
+def write_record(cache: ModelCache, record: CacheRecord, slot: int, rows: torch.Tensor) -> None:
+    """Write a record into `cache`: its state into `slot`, its latent rows at `rows` [n]."""
+    for name in ("kda_state", "conv_state", "mla_latent"):
+        mine, theirs = getattr(cache, name), getattr(record, name)
+        if set(mine) != set(theirs):
+            raise HandoffMismatchError(f"the handoff's {name} layers {sorted(theirs)} are not this cache's {sorted(mine)}")
+        for layer, pool in mine.items():
+            src = theirs[layer]
+            fits = src.shape[1:] == pool.shape[1:] if name == "mla_latent" else src.shape == pool.shape[1:]
+            if not fits:
+                raise HandoffMismatchError(f"{name}[{layer}] of shape {tuple(src.shape)} does not fit the pool "
+                                           f"{tuple(pool.shape)}")
+    for l, pool in cache.kda_state.items():
+        pool[slot] = record.kda_state[l].to(pool.device, pool.dtype)
+    for l, pool in cache.conv_state.items():
+        pool[slot] = record.conv_state[l].to(pool.device, pool.dtype)
+    for l, pool in cache.mla_latent.items():
+        assert record.mla_latent[l].shape[0] == rows.numel(), (record.mla_latent[l].shape, rows.numel())
+        pool[rows.to(pool.device)] = record.mla_latent[l].to(pool.device, pool.dtype)
+
+
+def latent_rows(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """The latent-cache rows [end - start] int64 of positions [start, end) of a sequence."""
+    pos = torch.arange(start, end)
+    table = torch.tensor(block_table, dtype=torch.long)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+@dataclass
+class Handoff:
+    """One request's prefill result. `start`: prompt tokens the receiver already holds (whole blocks),
+    so `records[i].mla_latent` rows cover [start, len(prompt_token_ids)); records: the target model's,
+    then a draft model's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    start: int
+    records: list[CacheRecord]
+    first_token: int
+    first_logprobs: PositionLogprobs | None  # the first token's entry, when log-probs were asked
+    generator_state: torch.Tensor | None  # the sampler's torch.Generator state after the first sample
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prefill_seconds: float = 0.0  # arrival to first token on the prefill side
+    packed: tuple | None = None  # (layout, flat bytes) while in transit: see pack()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the caches it carries: state (KDA + conv) and MLA latent rows, over its records."""
+        total = {"state": 0, "mla_latent": 0}
+        for r in self.records:
+            for k, v in r.nbytes().items():
+                total[k] += v
+        return total
+
+    def pack(self) -> Handoff:
+        """The same handoff with its tensors in one flat uint8 numpy array (Ray reads numpy arrays out
+        of its object store without copying them)."""
+        if self.packed is not None:
+            return self
+        layout, chunks, offset = [], [], 0
+        for i, r in enumerate(self.records):
+            for key, t in r.tensors().items():
+                t = t.contiguous()
+                raw = t.view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+                layout.append((i, key, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, raw.numel()))
+                pad = -raw.numel() % ALIGN  # every tensor starts aligned, so it views back as its dtype
+                chunks += [raw, torch.zeros(pad, dtype=torch.uint8)]
+                offset += raw.numel() + pad
+        flat = torch.cat(chunks).numpy() if chunks else np.zeros(0, np.uint8)
+        return replace(self, records=[], packed=(len(self.records), layout, flat))
+
+    def unpack(self) -> Handoff:
+        """Tensors again: views of the flat array (read-only where Ray's object store holds it)."""
+        if self.packed is None:
+            return self
+        n, layout, flat = self.packed
+        with warnings.catch_warnings():  # read-only from Ray's object store: only ever read here
+            warnings.simplefilter("ignore", UserWarning)
+            buffer = torch.from_numpy(flat)
+        records = [CacheRecord() for _ in range(n)]
+        for i, key, dtype, shape, offset, size in layout:
+            kind, layer = key.rsplit(".", 1)
+            t = buffer[offset : offset + size].view(getattr(torch, dtype)).view(shape)
+            getattr(records[i], kind)[int(layer)] = t
+        return replace(self, records=records, packed=None)
