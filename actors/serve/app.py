@@ -23,24 +23,25 @@ from ray import serve
 from ray.serve import Application
 from ray.serve._private import constants as serve_constants
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
 
 from k3ray.actors.openai.admission import Admission, AdmissionLimits
 from k3ray.actors.openai.routes import build_openai_app
 from k3ray.actors.openai.serving import OpenAIServing
 from k3ray.actors.serve.autoscaling import serve_autoscaling_config
-from k3ray.actors.serve.config import ServeArgs
-from k3ray.actors.serve.engine import build_engine, context_limit_note, engine_config, local_engine
+from k3ray.actors.serve.config import DisaggregationSettings, ServeArgs
+from k3ray.actors.serve.disaggregation import DisaggregatedEngine
+from k3ray.actors.serve.engine import context_limit_note, engine_config, start_replica_engine
 from k3ray.actors.serve.ingress_routing import IngressRequestRouter
 from k3ray.actors.serve.load_signals import LoadSignals
 from k3ray.actors.serve.metrics import ServeMetrics
 from k3ray.actors.serve.metrics_listener import MetricsListener, runtime_dir
+from k3ray.actors.serve.prefill_server import K3Prefill
 from k3ray.actors.serve.replica_bundles import replica_bundles
 from k3ray.actors.serve.replica_grpc_bind import bind_replica_grpc_to
 from k3ray.actors.serve.replica_readiness import Readiness, answer_checks_with
 from k3ray.actors.serve.request_routing import PREFIXES_STAT, PrefixAffinityRequestRouter
-from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
-from k3ray.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5
@@ -49,18 +50,15 @@ GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5
 @serve.deployment(name="K3Server")
 @serve.ingress()
 class K3Server:
-    async def __init__(self, args: dict) -> None:
+    async def __init__(self, args: dict, prefill: DeploymentHandle | None = None) -> None:
+        """`prefill`: the K3Prefill pool of a disaggregated app (this replica then decodes only)."""
         bind_replica_grpc_to(ray.util.get_node_ip_address())  # Serve starts that server once this returns
         self.args = ServeArgs.model_validate(args)
-        self.executor = None
-        self.engine: AsyncEngine | EngineClient
-        if self.args.engine.engine_process and not self.args.distributed:
-            self.engine = await asyncio.to_thread(EngineClient.start, functools.partial(local_engine, self.args))
-            tokenizer = await asyncio.to_thread(load_tokenizer, self.args.model.tokenizer or self.args.model.model)
-        else:
-            placement_group = ray.util.get_current_placement_group() if self.args.distributed else None
-            engine, self.executor = await asyncio.to_thread(build_engine, self.args, placement_group)
-            self.engine, tokenizer = AsyncEngine(engine), engine.tokenizer
+        placement_group = ray.util.get_current_placement_group() if self.args.distributed else None
+        self.engine, self.executor, tokenizer = await start_replica_engine(self.args, placement_group)
+        self.disaggregated = None if prefill is None else DisaggregatedEngine(
+            self.engine, prefill, self.args.engine.block_size, self.args.disaggregation.handoff_attempts,
+            self.engine.info.model_config.media_placeholder_token_id, self.args.autoscaling.look_back_period_s)
         expert_load = getattr(self.executor, "expert_load", None)
         self.metrics = ServeMetrics(self.args.server.served_model_name, self.engine.get_stats, expert_load)
         # under k3ray's HAProxy, /metrics is answered outside the request queue (serve/metrics_listener.py)
@@ -72,7 +70,8 @@ class K3Server:
         limits = AdmissionLimits(server.max_queued_tokens or None, server.max_queue_wait_s or None,
                                  server.retry_after_s, info.long_prompt_tokens, info.prefill_chunk_tokens)
         admission = Admission(limits, self.engine.get_stats, on_started=self.load_signals.observe_ttft)
-        self.serving = OpenAIServing(self.engine, tokenizer, server.served_model_name, self.metrics, admission)
+        self.serving = OpenAIServing(self.disaggregated or self.engine, tokenizer, server.served_model_name,
+                                     self.metrics, admission)
         logger.info("K3Server ready: %s, max_model_len %d, %s", self.args.server.served_model_name,
                     self.engine.info.max_model_len, type(self.executor or self.engine).__name__)
         note = context_limit_note(self.args, self.engine.info)
@@ -118,7 +117,12 @@ class K3Server:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook: this replica's load for the llm autoscaling policy (serve/load_signals.py)."""
-        return self.load_signals.report(self.engine.get_stats(), self.serving.admission.queued_tokens)
+        itl = None if self.disaggregated is None else self.disaggregated.itl.recent()
+        return self.load_signals.report(self.engine.get_stats(), self.serving.admission.queued_tokens, itl)
+
+    def handoff_stats(self) -> dict | None:
+        """A decode replica's handoffs so far (serve/disaggregation.py HandoffStats); None: colocated."""
+        return None if self.disaggregated is None else self.disaggregated.stats.as_dict()
 
     def record_routing_stats(self) -> dict:
         """Serve's hook (pulled every routing.routing_stats_period_s): the prefixes this replica's
@@ -139,8 +143,13 @@ def deployment_options(args: ServeArgs) -> dict:
     """Options for `K3Server.options(...)`; args must be resolved (a checkpoint path is needed to
     size a distributed replica's placement group)."""
     scaling, server, parallel = args.autoscaling, args.server, args.parallel
+    if args.disaggregation.enabled:
+        autoscaling = serve_autoscaling_config(scaling, "decode", itl_target_ms=args.disaggregation.autoscale_itl_ms,
+                                               running_per_replica=args.engine.max_num_seqs)
+    else:
+        autoscaling = serve_autoscaling_config(scaling)
     options = {
-        "autoscaling_config": serve_autoscaling_config(scaling),
+        "autoscaling_config": autoscaling,
         "max_ongoing_requests": server.max_ongoing_requests or args.engine.max_num_seqs,
         "max_queued_requests": server.max_queued_requests,
         "ray_actor_options": {"num_cpus": parallel.replica_cpus, "num_gpus": parallel.replica_gpus},
@@ -162,10 +171,34 @@ def deployment_options(args: ServeArgs) -> dict:
     return options
 
 
+def prefill_deployment_options(args: ServeArgs) -> dict:
+    """Options for `K3Prefill.options(...)`: the prefill pool of a disaggregated app, sized by its own
+    replica bounds on queued prompt tokens and TTFT, routed by prefix affinity (the decode replica
+    passes the prompt's block hashes), each replica laid out as a decode replica is."""
+    d = args.disaggregation
+    scaling = args.autoscaling.model_copy(update={"min_replicas": d.prefill_replicas, "initial_replicas": None,
+                                                  "max_replicas": d.prefill_max_replicas or d.prefill_replicas})
+    options = {k: v for k, v in deployment_options(args.model_copy(update={
+        "autoscaling": scaling, "disaggregation": DisaggregationSettings()})).items()
+        if k not in ("request_router_config", "backpressure_config")}
+    options["autoscaling_config"] = serve_autoscaling_config(scaling, "prefill")
+    options["max_queued_requests"] = -1  # decode replicas admit; a prefill waits its turn in the engine
+    if args.routing.request_router == "affinity" and scaling.max_replicas > 1:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAffinityRequestRouter,
+            request_router_kwargs={"max_imbalance": args.routing.affinity_max_imbalance,
+                                   "snapshot_interval": engine_config(args).snapshot_interval},
+            request_routing_stats_period_s=args.routing.routing_stats_period_s)
+    return options
+
+
 def build_app(args: dict) -> Application:
     """Serve app builder (import path `k3ray.actors.serve.app:build_app`)."""
     resolved = ServeArgs.model_validate(dict(args or {})).resolved()
-    app = K3Server.options(**deployment_options(resolved)).bind(resolved.model_dump())
+    prefill = None
+    if resolved.disaggregation.enabled:
+        prefill = K3Prefill.options(**prefill_deployment_options(resolved)).bind(resolved.model_dump())
+    app = K3Server.options(**deployment_options(resolved)).bind(resolved.model_dump(), prefill)
     if not affinity_routing(resolved):
         return app
     # HAProxy asks this deployment for each request's replica (Serve's own hook for it)

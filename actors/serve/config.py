@@ -193,6 +193,36 @@ class MediaSettings(Settings):
     media_fetch_timeout_s: float = Field(10.0, gt=0, description="per remote media URL")
 
 
+class DisaggregationSettings(Settings):
+    """Prefill/decode disaggregation: prompts run on a pool of prefill replicas (K3Prefill), which hand
+    each request's caches to the decode replica (K3Server, the pool the autoscaling group sizes) that
+    streams its output; each pool is autoscaled on its own signals."""
+
+    prefill_replicas: int = Field(
+        0, ge=0, description="prefill replicas at start (also the fewest); 0 = off: each replica runs prompts "
+        "and decodes")
+    prefill_max_replicas: int | None = Field(
+        None, ge=1, description="most prefill replicas (autoscaled on queued prompt tokens and TTFT); null = "
+        "prefill_replicas")
+    handoff_attempts: int = Field(
+        2, ge=1, description="prefills a request gets before a 503 when a prefill replica is lost or a handoff "
+        "cannot be written")
+    autoscale_itl_ms: float = Field(
+        500.0, gt=0, description="llm policy, decode pool: p90 inter-token latency it adds decode replicas to "
+        "stay under")
+
+    @model_validator(mode="after")
+    def _check(self) -> DisaggregationSettings:
+        if self.prefill_max_replicas is not None and not 1 <= self.prefill_replicas <= self.prefill_max_replicas:
+            raise ValueError(f"prefill_max_replicas={self.prefill_max_replicas} needs 1 <= prefill_replicas "
+                             f"(now {self.prefill_replicas}) <= it")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefill_replicas > 0
+
+
 class ServeArgs(Settings):
     """Every setting of one deployed model, in groups; a group or field left out takes its default."""
 
@@ -203,6 +233,7 @@ class ServeArgs(Settings):
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     media: MediaSettings = Field(default_factory=MediaSettings)
+    disaggregation: DisaggregationSettings = Field(default_factory=DisaggregationSettings)
 
     @property
     def distributed(self) -> bool:

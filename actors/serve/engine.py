@@ -6,6 +6,8 @@ model, or as the pipeline's VisionEncoder actor."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 
 import torch
@@ -14,7 +16,9 @@ from k3ray.actors.serve.config import ServeArgs
 from k3ray.actors.serve.flags import flag
 from k3ray.config import VisionConfig
 from k3ray.device import resolve_device
+from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.config import DEFAULT_CACHE_BYTES, EngineConfig, SpeculativeConfig
+from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.executor import Executor, LocalExecutor
 from k3ray.engine.llm_engine import LLMEngine
@@ -90,6 +94,19 @@ def build_engine(args: ServeArgs, placement_group=None) -> tuple[LLMEngine, Exec
         executor.shutdown()
         raise
     return engine, executor
+
+
+async def start_replica_engine(args: ServeArgs, placement_group=None) -> tuple[AsyncEngine | EngineClient,
+                                                                             Executor | None, object]:
+    """A replica's engine, its executor (None: the engine process holds the model) and tokenizer: an
+    undistributed model in an engine process of its own (engine.engine_process), else in this process
+    on a RayExecutor (its actors in `placement_group`) or a LocalExecutor."""
+    if args.engine.engine_process and not args.distributed:
+        engine = await asyncio.to_thread(EngineClient.start, functools.partial(local_engine, args))
+        tokenizer = await asyncio.to_thread(load_tokenizer, args.model.tokenizer or args.model.model)
+        return engine, None, tokenizer
+    llm_engine, executor = await asyncio.to_thread(build_engine, args, placement_group)
+    return AsyncEngine(llm_engine), executor, llm_engine.tokenizer
 
 
 def local_engine(args: ServeArgs) -> LLMEngine:

@@ -26,6 +26,8 @@ CACHE_USAGE = "k3ray_cache_usage"  # the fuller of the two
 TTFT_P50 = "k3ray_ttft_p50_s"
 TTFT_P90 = "k3ray_ttft_p90_s"
 TTFT_COUNT = "k3ray_ttft_count"  # first tokens in the window (0: the percentiles say nothing)
+ITL_P90 = "k3ray_itl_p90_s"  # a disaggregated decode replica's inter-token latency
+ITL_COUNT = "k3ray_itl_count"
 
 
 class TTFTWindow:
@@ -62,14 +64,19 @@ class LoadSignals:
     def observe_ttft(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
 
-    def report(self, stats: EngineStats, queued_prompt_tokens: int) -> dict[str, float]:
+    def report(self, stats: EngineStats, queued_prompt_tokens: int,
+               itl_s: list[float] | None = None) -> dict[str, float]:
         """Serve's custom autoscaling metrics of this replica (names above); TTFT percentiles are 0
-        when no request got its first token in the window (an idle replica asks for nothing)."""
+        when no request got its first token in the window (an idle replica asks for nothing). `itl_s`:
+        the window's inter-token latencies, sorted (a decode replica's)."""
         cache = stats.cache
         blocks = cache["block_usage"]
         slots = cache["state_slots_live"] / cache["state_slots_total"] if cache["state_slots_total"] else 0.0
         ttfts = self.ttft.recent()
+        itl = {} if itl_s is None else {ITL_P90: percentile(itl_s, 0.9) if itl_s else 0.0,
+                                        ITL_COUNT: float(len(itl_s))}
         return {
+            **itl,
             QUEUED_TOKENS: float(queued_prompt_tokens),
             RUNNING: float(stats.num_running),
             WAITING: float(stats.num_waiting),

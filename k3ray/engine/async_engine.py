@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 from contextlib import aclosing
 
 from k3ray.engine.engine_info import EngineInfo
+from k3ray.engine.handoff import Handoff
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.outputs import RequestOutput, follow, latest, merge_deltas
 from k3ray.engine.sequence import Request
@@ -37,14 +38,17 @@ class AsyncEngine:
         self._stats = engine.get_stats()  # as of the last step, as EngineClient's
 
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
-                       media: Seq[ProcessedMedia] | None = None) -> AsyncIterator[RequestOutput]:
+                       media: Seq[ProcessedMedia] | None = None, *, export_from: int | None = None,
+                       handoff: Handoff | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs (of params.output_kind: cumulative, deltas, or the final one) as tokens arrive, the
         last with finished=True. Raises ValueError before
         the first output if the request cannot run; leaving the iteration early aborts it. `media`:
-        see LLMEngine.make_request (it is encoded in the step loop, off the event loop)."""
+        see LLMEngine.make_request (it is encoded in the step loop, off the event loop), as are
+        export_from and handoff (prefill/decode disaggregation)."""
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        request = self.engine.make_request(request_id, prompt, params, media=media)
+        request = self.engine.make_request(request_id, prompt, params, media=media, export_from=export_from,
+                                           handoff=handoff)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._pending.append(request)
@@ -54,6 +58,10 @@ class AsyncEngine:
         async with aclosing(follow(queue, lambda: self.abort(request_id), combine)) as outputs:
             async for out in outputs:
                 yield out
+
+    async def held_prefix_tokens(self, prompt: str | Seq[int], media: Seq[ProcessedMedia] | None = None) -> int:
+        """LLMEngine.held_prefix_tokens (lookups only: safe beside a step, as make_request is)."""
+        return self.engine.held_prefix_tokens(prompt, media)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (applied before the next step); its stream ends with finish_reason 'abort'."""

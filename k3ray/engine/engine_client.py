@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from k3ray.engine.engine_core_proc import WirePrompts
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.errors import ModelUnavailableError
+from k3ray.engine.handoff import Handoff
 from k3ray.engine.outputs import OutputAccumulator, RequestOutput, follow, latest, merge_deltas
 from k3ray.engine.pipe import recv, send
 from k3ray.engine.stats import EngineStats
@@ -56,6 +57,8 @@ class EngineClient:
         self._stats = stats
         self._prompts = WirePrompts()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._replies: dict[int, asyncio.Future] = {}  # held_prefix_tokens calls awaiting the engine
+        self._calls = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: RuntimeError | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages for the sender thread; None ends it
@@ -90,10 +93,12 @@ class EngineClient:
 
     # requests ---------------------------------------------------------------------------------
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
-                       media: Seq[ProcessedMedia] | None = None) -> AsyncIterator[RequestOutput]:
+                       media: Seq[ProcessedMedia] | None = None, *, export_from: int | None = None,
+                       handoff: Handoff | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs (of params.output_kind: cumulative, deltas, or the final one) as tokens arrive, the
         last with finished=True. Raises ValueError before the first output if the request cannot
-        run; leaving the iteration early aborts it."""
+        run; leaving the iteration early aborts it. export_from / handoff: prefill/decode
+        disaggregation (LLMEngine.make_request)."""
         self._attach()
         if self._error is not None:
             raise self._error
@@ -108,8 +113,11 @@ class EngineClient:
             params = replace(params, output_kind=RequestOutputKind.DELTA)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
+        transfer = None
+        if export_from is not None or handoff is not None:
+            transfer = ("export", export_from) if handoff is None else ("import", handoff)
         self._send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt), params,
-                    list(media) if media else None, time.monotonic()))
+                    list(media) if media else None, time.monotonic(), transfer))
         combine = merge_deltas if params.output_kind is RequestOutputKind.DELTA else latest
         # closing this generator closes follow() at once, which aborts the request
         async with aclosing(follow(stream, lambda: self.abort(request_id), combine)) as outputs:
@@ -118,6 +126,21 @@ class EngineClient:
                     accumulator.add(out)
                     out = accumulator.output()
                 yield out
+
+    async def held_prefix_tokens(self, prompt: str | Seq[int], media: Seq[ProcessedMedia] | None = None) -> int:
+        """LLMEngine.held_prefix_tokens, asked of the engine process."""
+        self._attach()
+        if self._error is not None:
+            raise self._error
+        self._calls += 1
+        reply = self._loop.create_future()
+        self._replies[self._calls] = reply
+        self._send(("held", self._calls, prompt if isinstance(prompt, str) else list(prompt),
+                    list(media) if media else None))
+        value = await reply
+        if isinstance(value, BaseException):
+            raise value
+        return value
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason 'abort'."""
@@ -192,6 +215,11 @@ class EngineClient:
         fn(*args)
 
     def _on_message(self, message: tuple) -> None:
+        if message[0] == "reply":
+            reply = self._replies.pop(message[1], None)
+            if reply is not None and not reply.done():
+                reply.set_result(message[2])
+            return
         kind, outputs, errors, stats = message
         assert kind == "step", f"unexpected message {kind!r}"
         self._stats = stats
@@ -217,6 +245,10 @@ class EngineClient:
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):
             self._streams.pop(request_id).put_nowait(error)
+        for call_id in list(self._replies):
+            reply = self._replies.pop(call_id)
+            if not reply.done():
+                reply.set_result(error)
 
 
 def _wait_ready(conn: Connection, process: subprocess.Popen, timeout_s: float | None) -> tuple:

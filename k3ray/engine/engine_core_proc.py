@@ -6,13 +6,16 @@ even while it builds the engine or runs a long step (it never reads the socket t
 
     python -m k3ray.engine.engine_core_proc FD PID   # FD: this end of the parent's socketpair, PID: the parent
 
-Messages in:  ("add", request_id, prompt, params, media, arrival_time) | ("abort", request_id)
-              | ("shutdown",); the first message is the engine factory (a picklable callable).
+Messages in:  ("add", request_id, prompt, params, media, arrival_time, transfer) | ("abort", request_id)
+              | ("held", call_id, prompt, media) | ("shutdown",); the first message is the engine
+              factory (a picklable callable). transfer: None, ("export", first token to hand off) or
+              ("import", Handoff) — prefill/decode disaggregation (LLMEngine.make_request).
 Messages out: ("ready", EngineInfo, EngineStats) | ("failed", error) once, then
               ("step", [RequestOutput], [(request_id, error)], EngineStats) whenever something
               happened, and at least every STATS_EVERY_S while steps run. The outputs are what the
               requests' output_kind asks for (EngineClient asks deltas); a request's prompt and its
-              ids travel in its first output only (WirePrompts).
+              ids travel in its first output only (WirePrompts). ("reply", call_id, value or error)
+              answers a "held" (LLMEngine.held_prefix_tokens) at once.
 """
 
 from __future__ import annotations
@@ -84,11 +87,21 @@ def serve_engine(engine, conn: Connection) -> None:
             while conn.poll(0 if engine.has_unfinished_requests() or outputs or errors else None):
                 message = recv(conn)
                 if message[0] == "add":
-                    request_id, prompt, params, media, arrival_time = message[1:]
+                    request_id, prompt, params, media, arrival_time, transfer = message[1:]
+                    kw = {}
+                    if transfer is not None:
+                        kw["export_from" if transfer[0] == "export" else "handoff"] = transfer[1]
                     try:
-                        engine.add_request(request_id, prompt, params, arrival_time, media)
+                        engine.add_request(request_id, prompt, params, arrival_time, media, **kw)
                     except Exception as e:  # noqa: BLE001 - this request fails (ValueError: a bad one), the rest go on
                         errors.append((request_id, portable(e)))
+                elif message[0] == "held":
+                    call_id, prompt, media = message[1:]
+                    try:
+                        value = engine.held_prefix_tokens(prompt, media)
+                    except Exception as e:  # noqa: BLE001 - the caller gets the error
+                        value = portable(e)
+                    send(conn, ("reply", call_id, value))
                 elif message[0] == "abort":
                     final = engine.abort_request(message[1])
                     if final is not None:

@@ -96,7 +96,8 @@ def write_record(cache: ModelCache, record: CacheRecord, slot: int, rows: torch.
     for name in ("kda_state", "conv_state", "mla_latent"):
         mine, theirs = getattr(cache, name), getattr(record, name)
         if set(mine) != set(theirs):
-            raise HandoffMismatchError(f"the handoff's {name} layers {sorted(theirs)} are not this cache's {sorted(mine)}")
+            raise HandoffMismatchError(f"the handoff's {name} layers {sorted(theirs)} are not this cache's "
+                                       f"{sorted(mine)}")
         for layer, pool in mine.items():
             src = theirs[layer]
             fits = src.shape[1:] == pool.shape[1:] if name == "mla_latent" else src.shape == pool.shape[1:]

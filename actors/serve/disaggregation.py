@@ -1,0 +1,158 @@
+"""Prefill/decode disaggregation, the decode replica's side: each request's prompt runs on a prefill
+replica (K3Prefill, serve/prefill_server.py), whose handoff — the MLA latent rows this replica's
+cache lacks, the KDA / conv state after the prompt, the first token and the sampler's state
+(k3ray/engine/handoff.py) — this replica's engine imports and continues from, streaming the output.
+It orchestrates, as Ray Serve LLM's decode server does:
+
+    held = await engine.held_prefix_tokens(prompt)       # whole blocks of the prompt already cached here
+    handoff = await prefill.prefill.remote(prompt, params, media, held, request_id, prefix_hashes=chain)
+    async for out in engine.generate(prompt, params, request_id, media, handoff=handoff): ...
+
+The handoff travels through Ray's object store (its tensors as one flat numpy array, read without a
+copy). Failures: a prefill replica lost mid-request (or its engine gone), a handoff lost in transit, a
+handoff the engine can no longer write (the held prefix evicted meanwhile: the retry sends everything)
+are retried up to `attempts` prefills in all, then end in ModelUnavailableError (a 503 with
+Retry-After); a bad request (ValueError from the prefill replica) is a 400 at once. Requests with
+several sequences (n, best_of) run here whole. Same interface as EngineClient / AsyncEngine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
+from contextlib import aclosing
+
+import ray
+from ray.serve.handle import DeploymentHandle
+
+from k3ray.actors.serve.ingress_routing import block_chain
+from k3ray.actors.serve.load_signals import TTFTWindow
+from k3ray.engine.errors import ModelUnavailableError
+from k3ray.engine.handoff import Handoff, HandoffMismatchError
+from k3ray.engine.outputs import RequestOutput
+from k3ray.sampling_params import SamplingParams
+from k3ray.vision import ProcessedMedia
+
+logger = logging.getLogger(__name__)
+TRANSPORT = "object-store"  # how handoffs travel between replicas (reported in /v1/k3ray/handoff and metrics)
+
+
+class HandoffStats:
+    """What this replica's handoffs measured: counts, bytes by kind, prompt tokens, prefill and
+    transfer time (for metrics and `k3ray bench serve --workload pd`)."""
+
+    def __init__(self) -> None:
+        self.handoffs = 0
+        self.retries = 0
+        self.prompt_tokens = 0  # over the handoffs
+        self.tokens_sent = 0  # latent rows carried (prompt tokens the receiver lacked)
+        self.state_bytes = 0
+        self.latent_bytes = 0
+        self.prefill_s = 0.0  # prefill side: arrival to first token
+        self.transfer_s = 0.0  # the prefill replica's answer to the handoff written here
+
+    def observe(self, handoff: Handoff, transfer_s: float) -> None:
+        sizes = handoff.nbytes()
+        self.handoffs += 1
+        self.prompt_tokens += handoff.num_prompt_tokens
+        self.tokens_sent += handoff.num_prompt_tokens - handoff.start
+        self.state_bytes += sizes["state"]
+        self.latent_bytes += sizes["mla_latent"]
+        self.prefill_s += handoff.prefill_seconds
+        self.transfer_s += transfer_s
+
+    def as_dict(self) -> dict:
+        return {"transport": TRANSPORT, **vars(self)}
+
+
+class DisaggregatedEngine:
+    def __init__(self, engine, prefill: DeploymentHandle, block_size: int, attempts: int,
+                 media_placeholder_token_id: int | None, itl_window_s: float) -> None:
+        self.engine = engine
+        self.prefill = prefill
+        self.block_size = block_size
+        self.attempts = attempts
+        self.placeholder = media_placeholder_token_id
+        self.stats = HandoffStats()
+        self.itl = TTFTWindow(itl_window_s)  # inter-token latencies of this replica's streams
+
+    # the engine interface ------------------------------------------------------------------------
+    @property
+    def info(self):
+        return self.engine.info
+
+    def get_stats(self):
+        return self.engine.get_stats()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+    async def generate(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
+                       media: Seq[ProcessedMedia] | None = None) -> AsyncIterator[RequestOutput]:
+        params = SamplingParams() if params is None else params
+        if params.num_sequences != 1 or isinstance(prompt, str):
+            stream = self.engine.generate(prompt, params, request_id, media)
+        else:
+            stream = self._disaggregated(list(prompt), params, request_id, media)
+        last = None
+        async with aclosing(stream) as outputs:
+            async for out in outputs:
+                now = time.monotonic()
+                tokens = sum(len(c.token_ids) for c in out.outputs)
+                if last is not None and tokens:
+                    self.itl.observe((now - last) / tokens)
+                last = now if tokens else last
+                yield out
+
+    async def _disaggregated(self, prompt: list[int], params: SamplingParams, request_id: str,
+                             media: Seq[ProcessedMedia] | None) -> AsyncIterator[RequestOutput]:
+        held, failure = None, None
+        for attempt in range(self.attempts):
+            if held is None:
+                held = await self.engine.held_prefix_tokens(prompt, media)
+            asked = time.monotonic()
+            try:
+                handoff = await self._prefill(prompt, params, media, held, f"{request_id}-p{attempt}")
+            except (ValueError, ray.exceptions.TaskCancelledError):
+                raise
+            except (ModelUnavailableError, ray.exceptions.RayError) as e:  # a prefill replica or its result lost
+                failure = e
+                self.stats.retries += 1
+                logger.warning("request %s: prefill attempt %d failed: %s: %s", request_id, attempt + 1,
+                               type(e).__name__, e)
+                continue
+            started = False
+            try:
+                async with aclosing(self.engine.generate(prompt, params, request_id, media, handoff=handoff)) as outs:
+                    async for out in outs:
+                        if not started:
+                            started = True
+                            self.stats.observe(handoff.unpack(), time.monotonic() - asked - handoff.prefill_seconds)
+                        yield out
+                return
+            except HandoffMismatchError as e:  # the prefix it left out was evicted here: send everything
+                if started:
+                    raise
+                failure, held = e, 0
+                self.stats.retries += 1
+        raise ModelUnavailableError(f"no prefill replica could run the prompt in {self.attempts} attempts; the last "
+                                    f"failure: {type(failure).__name__}: {failure}")
+
+    async def _prefill(self, prompt: list[int], params: SamplingParams, media, held: int, request_id: str) -> Handoff:
+        """One prefill on a replica chosen by prefix affinity over the prompt's block hashes."""
+        chain = block_chain(prompt, self.block_size, self.placeholder)
+        response = self.prefill.prefill.remote(prompt, params, list(media) if media else None, held, request_id,
+                                               prefix_hashes=chain)
+        try:
+            handoff = await response
+        except BaseException:
+            response.cancel()  # the client left (or the call failed): the prefill replica aborts it
+            raise
+        if isinstance(handoff, BaseException):  # its engine refused it: the error as that replica saw it
+            raise handoff
+        return handoff

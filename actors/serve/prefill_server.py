@@ -1,0 +1,81 @@
+"""The prefill pool of a disaggregated app: K3Prefill replicas run prompts (chunked, prefix-cache
+aware, the same engine as K3Server) and answer each with its Handoff (k3ray/engine/handoff.py) for
+the decode replica that asked (serve/disaggregation.py). No HTTP: only decode replicas call it,
+through a deployment handle routed by prefix affinity over the prompt's block hashes. It reports
+its own load (queued prompt tokens, TTFT) to the autoscaler, for the prefill pool's own policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+from dataclasses import replace
+
+import ray
+from ray import serve
+
+from k3ray.actors.serve.config import ServeArgs
+from k3ray.actors.serve.engine import start_replica_engine
+from k3ray.actors.serve.load_signals import LoadSignals
+from k3ray.actors.serve.request_routing import PREFIXES_STAT
+from k3ray.engine.engine_client import EngineClient
+from k3ray.engine.errors import ModelUnavailableError
+from k3ray.engine.handoff import Handoff
+from k3ray.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@serve.deployment(name="K3Prefill")
+class K3Prefill:
+    async def __init__(self, args: dict) -> None:
+        self.args = ServeArgs.model_validate(args)
+        placement_group = ray.util.get_current_placement_group() if self.args.distributed else None
+        self.engine, self.executor, _ = await start_replica_engine(self.args, placement_group)
+        self.load_signals = LoadSignals(window_s=self.args.autoscaling.look_back_period_s)
+        logger.info("K3Prefill ready: %s", type(self.executor or self.engine).__name__)
+
+    async def prefill(self, prompt: list[int], params: SamplingParams, media, export_from: int, request_id: str,
+                      prefix_hashes: list[bytes] | None = None) -> Handoff | ValueError | ModelUnavailableError:
+        """Run the prompt to its first token -> its Handoff of the caches from prompt token `export_from`
+        on, packed for the object store. A request the engine refuses (ValueError) or a model that cannot
+        step (ModelUnavailableError) comes back as that error, so the decode side raises it as such.
+        `prefix_hashes` is the prefix-affinity router's (serve/request_routing.py)."""
+        final = None
+        try:
+            only_final = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            stream = self.engine.generate(prompt, only_final, request_id, media, export_from=export_from)
+            async with aclosing(stream) as outputs:
+                async for out in outputs:
+                    final = out
+        except (ValueError, ModelUnavailableError) as e:
+            return e
+        assert final is not None and final.handoff is not None, f"request {request_id} ended without a handoff"
+        if final.metrics.ttft is not None:
+            self.load_signals.observe_ttft(final.metrics.ttft)
+        return final.handoff.pack()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The prefill pool's load: prompt tokens waiting in the engine, and the TTFT it gives."""
+        stats = self.engine.get_stats()
+        return self.load_signals.report(stats, stats.prefill_backlog_tokens + stats.long_prefill_backlog_tokens)
+
+    def record_routing_stats(self) -> dict:
+        """The prefixes this replica's cache can resume from, for prefix-affinity routing."""
+        return {PREFIXES_STAT: self.engine.get_stats().cached_prefixes}
+
+    async def check_health(self) -> None:
+        if isinstance(self.engine, EngineClient):
+            if not self.engine.alive:
+                raise RuntimeError(f"engine process exit code {self.engine.process.poll()}")
+            return
+        report = await asyncio.to_thread(self.executor.health)
+        if not report["healthy"] and report.get("state") != "recovering":
+            raise RuntimeError(f"pipeline {report.get('state')}: {report.get('cause')}")
+
+    async def __del__(self) -> None:
+        if hasattr(self, "engine"):
+            await self.engine.shutdown()
+        if getattr(self, "executor", None) is not None:
+            await asyncio.to_thread(self.executor.shutdown)

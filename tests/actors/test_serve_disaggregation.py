@@ -1,0 +1,109 @@
+"""Prefill/decode disaggregation on a real Serve app on loopback (one K3Prefill and one K3Server decode
+replica, each an engine process): through the real openai client, greedy outputs equal the
+colocated engine's token for token — plain prompts, chunked prefill (64-token steps), n-gram
+speculative decoding on the decode side, a prefix the decode replica already holds (only the rest
+travels), streaming, structured output through chat, and n > 1 (run whole on the decode replica)."""
+
+import json
+import time
+
+import pytest
+from openai import APIConnectionError, APIStatusError, OpenAI
+from ray import serve
+
+from k3ray.actors.serve.ingress_routing import prompt_ids
+from k3ray.engine.llm import LLM
+from k3ray.sampling_params import SamplingParams, StructuredOutputsParams
+from k3ray.tokenizer import load_tokenizer
+
+BS = 16
+ENGINE = {"max_num_seqs": 4, "block_size": BS, "max_num_batched_tokens": 64, "speculative_ngram": 3}
+APP = "k3ray-pd"
+
+
+@pytest.fixture(scope="module")
+def pd_app(serve_app, tiny_checkpoint):
+    args = {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": "k3-tiny"}, "engine": ENGINE,
+            "disaggregation": {"prefill_replicas": 1}}
+    url = serve_app(args, name=APP)
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    deadline = time.monotonic() + 300
+    while True:  # the decode replica is up once a request goes through
+        try:
+            client.completions.create(model="k3-tiny", prompt=[1, 2, 3], max_tokens=1)
+            break
+        except (APIConnectionError, APIStatusError) as e:  # not serving yet
+            assert not isinstance(e, APIStatusError) or e.status_code >= 500, e
+            assert time.monotonic() < deadline, "the disaggregated app did not start serving"
+            time.sleep(2)
+    return client
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_checkpoint):
+    return LLM(tiny_checkpoint, max_num_seqs=4, block_size=BS)
+
+
+def handoff_stats() -> dict:
+    return serve.get_deployment_handle("K3Server", APP).handoff_stats.remote().result(timeout_s=60)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 200 + 30 for i in range(n)]
+
+
+def reference(llm, prompt, max_tokens=12, **kw) -> str:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+    return llm.generate([prompt], params)[0].outputs[0].text
+
+
+def test_greedy_completions_equal_the_colocated_engine(pd_app, colocated):
+    before = handoff_stats()
+    repeating = ids(20, 1) * 4  # n-gram drafts get accepted on the decode side
+    for prompt in (ids(5, 2), ids(70, 3), repeating, ids(150, 4)):  # under a block .. several 64-token chunks
+        out = pd_app.completions.create(model="k3-tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == reference(colocated, prompt), prompt[:8]
+    after = handoff_stats()
+    assert after["handoffs"] - before["handoffs"] == 4 and after["transport"] == "object-store"
+
+
+def test_a_prefix_the_decode_replica_holds_is_not_sent_again(pd_app, colocated):
+    shared = ids(160, 5)
+    first, second = shared + ids(9, 6), shared + ids(11, 7)
+    pd_app.completions.create(model="k3-tiny", prompt=first, max_tokens=4, temperature=0)
+    before = handoff_stats()
+    out = pd_app.completions.create(model="k3-tiny", prompt=second, max_tokens=12, temperature=0)
+    assert out.choices[0].text == reference(colocated, second)
+    after = handoff_stats()
+    sent = after["tokens_sent"] - before["tokens_sent"]
+    assert after["prompt_tokens"] - before["prompt_tokens"] == len(second)
+    assert sent == len(second) - 160, sent  # the ten shared blocks stayed on the decode side
+
+
+def test_streaming_equals_the_whole_response(pd_app, colocated):
+    prompt = ids(90, 8)
+    stream = pd_app.completions.create(model="k3-tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert text == reference(colocated, prompt, max_tokens=16)
+
+
+def test_structured_output_through_chat(pd_app, colocated, tiny_checkpoint):
+    schema = {"type": "object", "properties": {"code": {"type": "integer"}}, "required": ["code"],
+              "additionalProperties": False}
+    messages = [{"role": "user", "content": "Give the code as JSON."}]
+    out = pd_app.chat.completions.create(
+        model="k3-tiny", messages=messages, max_tokens=24, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "code", "schema": schema}})
+    text = out.choices[0].message.content
+    prompt = prompt_ids(load_tokenizer(tiny_checkpoint), {"messages": messages})
+    want = reference(colocated, prompt, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema))
+    assert text == want
+    if out.choices[0].finish_reason == "stop":
+        assert set(json.loads(text)) == {"code"}
+
+
+def test_several_samples_run_on_the_decode_replica(pd_app):
+    before = handoff_stats()
+    out = pd_app.completions.create(model="k3-tiny", prompt=ids(30, 9), max_tokens=6, temperature=1.0, n=2, seed=3)
+    assert len(out.choices) == 2
+    assert handoff_stats()["handoffs"] == before["handoffs"]
