@@ -42,10 +42,11 @@ FLAGS = {
     "--redundant-experts", "--rebalance-steps", "--autoscale-policy", "--autoscale-ttft-ms", "--autoscale-queued-tokens",
     "--request-router", "--affinity-max-imbalance", "--routing-stats-period-s", "--stage-transport",
     "--long-prefill-token-threshold", "--long-context-reserve",
+    "--prefill-replicas", "--prefill-max-replicas", "--handoff-attempts", "--autoscale-itl-ms",
     "--max-schema-bytes", "--grammar-compile-timeout-s", "--grammar-compile-memory-mb", "--grammar-cache-mb",
     "--grammar-compile-workers",
 }
-GROUPS = [LAUNCH_GROUP, "server", "model", "parallel", "engine", "autoscaling", "routing", "media"]
+GROUPS = [LAUNCH_GROUP, "server", "model", "parallel", "engine", "autoscaling", "routing", "media", "disaggregation"]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
