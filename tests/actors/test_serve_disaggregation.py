@@ -2,7 +2,8 @@
 replica, each an engine process): through the real openai client, greedy outputs equal the
 colocated engine's token for token — plain prompts, chunked prefill (64-token steps), n-gram
 speculative decoding on the decode side, a prefix the decode replica already holds (only the rest
-travels), streaming, structured output through chat, and n > 1 (run whole on the decode replica)."""
+travels), streaming, structured output through chat, n > 1 (run whole on the decode replica), and
+both pools as pipeline 2 x expert-parallel 2 replicas."""
 
 import json
 import time
@@ -19,6 +20,7 @@ from k3ray.tokenizer import load_tokenizer
 BS = 16
 ENGINE = {"max_num_seqs": 4, "block_size": BS, "max_num_batched_tokens": 64, "speculative_ngram": 3}
 APP = "k3ray-pd"
+APP_PP = "k3ray-pd-pipelines"
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +29,21 @@ def pd_app(serve_app, tiny_checkpoint):
             "disaggregation": {"prefill_replicas": 1}}
     url = serve_app(args, name=APP)
     client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-    deadline = time.monotonic() + 300
-    while True:  # the decode replica is up once a request goes through
+    wait_serving(client)
+    return client
+
+
+def wait_serving(client: OpenAI, timeout_s: float = 300) -> None:
+    """Until a request goes through (the decode replica and a prefill replica are up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         try:
             client.completions.create(model="k3-tiny", prompt=[1, 2, 3], max_tokens=1)
-            break
+            return
         except (APIConnectionError, APIStatusError) as e:  # not serving yet
             assert not isinstance(e, APIStatusError) or e.status_code >= 500, e
             assert time.monotonic() < deadline, "the disaggregated app did not start serving"
             time.sleep(2)
-    return client
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +114,31 @@ def test_several_samples_run_on_the_decode_replica(pd_app):
     out = pd_app.completions.create(model="k3-tiny", prompt=ids(30, 9), max_tokens=6, temperature=1.0, n=2, seed=3)
     assert len(out.choices) == 2
     assert handoff_stats()["handoffs"] == before["handoffs"]
+
+
+@pytest.fixture(scope="module")
+def pd_pipelines(serve_app, tiny_checkpoint, pd_app):
+    """Both pools as pipeline 2 x expert-parallel 2 replicas (each stage exports and imports its own
+    layers' part of the handoff); the single-process app goes first, to leave its CPUs to these actors."""
+    serve.delete(APP)
+    parallel = {"pipeline": 2, "expert_parallel": 2, "replica_cpus": 0.25, "stage_cpus": 0.25, "shard_cpus": 0.25,
+                "router_cpus": 0.125, "vision_cpus": 0.125}
+    args = {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": "k3-tiny"}, "engine": ENGINE,
+            "parallel": parallel, "disaggregation": {"prefill_replicas": 1}}
+    url = serve_app(args, name=APP_PP, port=pd_app.base_url.port)  # Serve's HTTP port is set once
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    wait_serving(client)
+    return client
+
+
+def test_pipeline_and_expert_parallel_on_both_sides(pd_pipelines, colocated):
+    stats = serve.get_deployment_handle("K3Server", APP_PP).handoff_stats
+    before = stats.remote().result(timeout_s=60)
+    shared = ids(64, 10)
+    for prompt in (ids(40, 11), shared + ids(20, 12), shared + ids(7, 13)):
+        out = pd_pipelines.completions.create(model="k3-tiny", prompt=prompt, max_tokens=10, temperature=0)
+        assert out.choices[0].text == reference(colocated, prompt, max_tokens=10), prompt[:8]
+    after = stats.remote().result(timeout_s=60)
+    assert after["handoffs"] - before["handoffs"] == 3
+    sent, prompts = (after[k] - before[k] for k in ("tokens_sent", "prompt_tokens"))
+    assert sent == prompts - 64  # the last prompt's shared blocks stayed on the decode side
