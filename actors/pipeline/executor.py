@@ -43,13 +43,14 @@ from k3ray.actors.pipeline.moe_dispatch import ShardMap
 from k3ray.actors.pipeline.moe_router import MoERouter
 from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, PipelineLost, StageFailure, WirePlan
 from k3ray.actors.pipeline.stage import PipelineStage
+from k3ray.actors.pipeline.stage_records import StageRecords
 from k3ray.actors.pipeline.vision_encoder import VisionEncoder
 from k3ray.actors.pipeline.wire import unpack
 from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
 from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
 from k3ray.engine.executor import Executor
-from k3ray.engine.handoff import CacheRecord, HandoffMismatchError
+from k3ray.engine.handoff import CacheRecord, HandoffMismatchError, RemoteCacheRecord, local_record
 from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.vision import has_vision_weights
 
@@ -374,21 +375,44 @@ class RayExecutor(Executor):
             src, dst = [int(a) for a, _ in pairs], [int(b) for _, b in pairs]
             self._get([g.stage.copy_states.remote(src, dst) for g in self.groups], "state copy")
 
-    def read_handoff(self, slot: int, rows: torch.Tensor) -> list[CacheRecord]:
-        """Each stage reads its own layers' part; the parts are one record."""
+    def read_handoff(self, slot: int, rows: torch.Tensor) -> list[StageRecords]:
+        """Each stage reads its own layers' part into the object store, where it stays (StageRecords);
+        this waits for every read (the slot and blocks may be reused after) and fetches only its size."""
         assert self.started, "allocate_cache() first"
         with self.faults.stepping():
-            parts = self._get([g.stage.read_handoff.remote(slot, rows) for g in self.groups], "handoff read")
-        return [CacheRecord.merge(parts)]
+            calls = [g.stage.read_handoff.options(num_returns=2).remote(slot, rows) for g in self.groups]
+            sizes = self._get([size for size, _ in calls], "handoff read")
+        total = {kind: sum(s[kind] for s in sizes) for kind in ("state", "mla_latent")}
+        return [StageRecords([(g.layers, part) for g, (_, part) in zip(self.groups, calls)], total,
+                             self.parallel.call_timeout_s)]
 
-    def write_handoff(self, records: list[CacheRecord], slot: int, rows: torch.Tensor) -> None:
-        """Each stage writes its own layers' part."""
+    def write_handoff(self, records: list[CacheRecord | RemoteCacheRecord], slot: int, rows: torch.Tensor) -> None:
+        """Each stage writes its own layers' part: straight from the prefill stage that holds the same
+        layers when the layouts match, else from the record fetched here. A part lost in transit (its
+        prefill replica gone) is a HandoffMismatchError: the sender asks again; this pipeline is fine."""
         assert self.started, "allocate_cache() first"
         if len(records) != 1:
             raise HandoffMismatchError(f"the handoff holds {len(records)} models' caches, this pipeline one")
-        with self.faults.stepping():
-            self._get([g.stage.write_handoff.remote(records[0].select(range(*g.layers)), slot, rows)
-                       for g in self.groups], "handoff write")
+        record = records[0]
+        ranges = [g.layers for g in self.groups]
+        try:
+            if isinstance(record, StageRecords) and record.layer_ranges == ranges:
+                parts = [ref for _, ref in record.parts]
+            else:
+                whole = local_record(record)
+                parts = [whole.select(range(*layers)) for layers in ranges]
+            with self.faults.stepping():
+                writes = [g.stage.write_handoff.remote(part, slot, rows) for g, part in zip(self.groups, parts)]
+                try:
+                    ray.get(writes, timeout=self.parallel.call_timeout_s)
+                except ray.exceptions.ObjectLostError:
+                    raise
+                except Exception:  # noqa: BLE001 - this pipeline's own failure: as every other call
+                    self._get(writes, "handoff write")
+                    raise
+        except ray.exceptions.ObjectLostError as e:
+            raise HandoffMismatchError(f"the handoff's caches were lost in transit ({type(e).__name__}: its prefill "
+                                       "replica is gone)") from e
 
     def expert_load(self) -> list[list[int]]:
         """Per stage: routed (token, expert) pairs per expert since start (Router counters); the

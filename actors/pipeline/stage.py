@@ -82,9 +82,11 @@ class PipelineStage(Restartable):
         self.cache.copy_states(src, dst)
 
     @torch.inference_mode()
-    def read_handoff(self, slot: int, rows: torch.Tensor) -> CacheRecord:
-        """This stage's layers' part of one sequence's caches (prefill/decode disaggregation)."""
-        return read_record(self.cache, slot, rows)
+    def read_handoff(self, slot: int, rows: torch.Tensor) -> tuple[dict[str, int], CacheRecord]:
+        """(its size, this stage's layers' part of one sequence's caches): prefill/decode disaggregation,
+        called with num_returns=2 so the part can stay in the object store while the size is read."""
+        record = read_record(self.cache, slot, rows)
+        return record.nbytes(), record
 
     @torch.inference_mode()
     def write_handoff(self, record: CacheRecord, slot: int, rows: torch.Tensor) -> None:

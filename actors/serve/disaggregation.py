@@ -8,8 +8,12 @@ It orchestrates, as Ray Serve LLM's decode server does:
     handoff = await prefill.prefill.remote(prompt, params, media, held, request_id, prefix_hashes=chain)
     async for out in engine.generate(prompt, params, request_id, media, handoff=handoff): ...
 
-The handoff travels through Ray's object store (its tensors as one flat numpy array, read without a
-copy). Failures: a prefill replica lost mid-request (or its engine gone), a handoff lost in transit, a
+The handoff travels through Ray's object store: between pipeline replicas whose stages hold the same
+layers, each prefill stage's part goes straight to the decode stage that holds those layers
+("stage-direct": no replica process in between); otherwise as one flat numpy array through the two
+replicas ("host", read without a copy; an engine process of this replica gets it over its socket).
+
+Failures: a prefill replica lost mid-request (or its engine gone), a handoff lost in transit, a
 handoff the engine can no longer write (the held prefix evicted meanwhile: the retry sends everything)
 are retried up to `attempts` prefills in all, then end in ModelUnavailableError (a 503 with
 Retry-After); a bad request (ValueError from the prefill replica) is a 400 at once. Requests with
@@ -18,6 +22,7 @@ several sequences (n, best_of) run here whole. Same interface as EngineClient / 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from k3ray.actors.serve.ingress_routing import block_chain
 from k3ray.actors.serve.load_signals import TTFTWindow
+from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.errors import ModelUnavailableError
 from k3ray.engine.handoff import Handoff, HandoffMismatchError
 from k3ray.engine.outputs import RequestOutput
@@ -36,7 +42,6 @@ from k3ray.sampling_params import SamplingParams
 from k3ray.vision import ProcessedMedia
 
 logger = logging.getLogger(__name__)
-TRANSPORT = "object-store"  # how handoffs travel between replicas (reported in /v1/k3ray/handoff and metrics)
 
 
 class HandoffStats:
@@ -45,6 +50,7 @@ class HandoffStats:
 
     def __init__(self) -> None:
         self.handoffs = 0
+        self.transports: dict[str, int] = {}  # handoffs by transport (Handoff.transport)
         self.retries = 0
         self.prompt_tokens = 0  # over the handoffs
         self.tokens_sent = 0  # latent rows carried (prompt tokens the receiver lacked)
@@ -53,9 +59,10 @@ class HandoffStats:
         self.prefill_s = 0.0  # prefill side: arrival to first token
         self.transfer_s = 0.0  # the prefill replica's answer to the handoff written here
 
-    def observe(self, handoff: Handoff, transfer_s: float) -> None:
-        sizes = handoff.nbytes()
+    def observe(self, handoff: Handoff, transport: str, transfer_s: float) -> None:
+        sizes = handoff.unpack().nbytes()
         self.handoffs += 1
+        self.transports[transport] = self.transports.get(transport, 0) + 1
         self.prompt_tokens += handoff.num_prompt_tokens
         self.tokens_sent += handoff.num_prompt_tokens - handoff.start
         self.state_bytes += sizes["state"]
@@ -64,7 +71,7 @@ class HandoffStats:
         self.transfer_s += transfer_s
 
     def as_dict(self) -> dict:
-        return {"transport": TRANSPORT, **vars(self)}
+        return {**vars(self), "transports": dict(self.transports)}
 
 
 class DisaggregatedEngine:
@@ -126,13 +133,16 @@ class DisaggregatedEngine:
                 logger.warning("request %s: prefill attempt %d failed: %s: %s", request_id, attempt + 1,
                                type(e).__name__, e)
                 continue
+            transport = handoff.transport
+            if transport != "host" and isinstance(self.engine, EngineClient):  # its engine process is no Ray worker
+                handoff = await asyncio.to_thread(lambda h=handoff: h.materialized().pack())
             started = False
             try:
                 async with aclosing(self.engine.generate(prompt, params, request_id, media, handoff=handoff)) as outs:
                     async for out in outs:
                         if not started:
                             started = True
-                            self.stats.observe(handoff.unpack(), time.monotonic() - asked - handoff.prefill_seconds)
+                            self.stats.observe(handoff, transport, time.monotonic() - asked - handoff.prefill_seconds)
                         yield out
                 return
             except HandoffMismatchError as e:  # the prefix it left out was evicted here: send everything

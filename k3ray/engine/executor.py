@@ -12,7 +12,14 @@ import torch
 from k3ray.device import to_device
 from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
 from k3ray.engine.cuda_graphs import DecodeGraphs
-from k3ray.engine.handoff import CacheRecord, HandoffMismatchError, read_record, write_record
+from k3ray.engine.handoff import (
+    CacheRecord,
+    HandoffMismatchError,
+    RemoteCacheRecord,
+    local_record,
+    read_record,
+    write_record,
+)
 from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.k3 import K3ForCausalLM
@@ -39,12 +46,12 @@ class Executor(ABC):
     def propose(self, plan: DraftPlan) -> torch.Tensor:
         """Greedy drafts from the draft model -> int64 CPU [N, plan.num_drafts]."""
 
-    def read_handoff(self, slot: int, rows: torch.Tensor) -> list[CacheRecord]:
+    def read_handoff(self, slot: int, rows: torch.Tensor) -> list[CacheRecord | RemoteCacheRecord]:
         """Prefill/decode disaggregation: one sequence's caches — the state in `slot` and the latent
-        rows `rows` [n] — of each model (target, then draft), on the CPU."""
+        rows `rows` [n] — of each model (target, then draft), on the CPU or left where they are."""
         raise ValueError(f"{type(self).__name__} cannot hand off caches")
 
-    def write_handoff(self, records: list[CacheRecord], slot: int, rows: torch.Tensor) -> None:
+    def write_handoff(self, records: list[CacheRecord | RemoteCacheRecord], slot: int, rows: torch.Tensor) -> None:
         """The inverse of read_handoff: write each model's record into `slot` and `rows`."""
         raise ValueError(f"{type(self).__name__} cannot take a handoff")
 
@@ -116,12 +123,12 @@ class LocalExecutor(Executor):
         return [read_record(cache, slot, rows) for cache in self._caches()]
 
     @torch.inference_mode()
-    def write_handoff(self, records: list[CacheRecord], slot: int, rows: torch.Tensor) -> None:
+    def write_handoff(self, records: list[CacheRecord | RemoteCacheRecord], slot: int, rows: torch.Tensor) -> None:
         caches = self._caches()
         if len(records) != len(caches):
             raise HandoffMismatchError(f"the handoff holds {len(records)} models' caches, this engine {len(caches)}")
         for cache, record in zip(caches, records):
-            write_record(cache, record, slot, rows)
+            write_record(cache, local_record(record), slot, rows)
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         if self.device.type != "cuda":

@@ -18,6 +18,7 @@ carries without a copy on read; `Handoff.unpack` reverses it.
 from __future__ import annotations
 
 import warnings
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -82,6 +83,24 @@ class CacheRecord:
         return merged
 
 
+class RemoteCacheRecord(ABC):
+    """One model's caches of one sequence left where they were read (a Ray pipeline's stages, each its
+    layers' part): a receiver laid out the same way writes each part from where it is, any other one
+    materializes the record first."""
+
+    @abstractmethod
+    def materialize(self) -> CacheRecord:
+        """The whole record, fetched here."""
+
+    @abstractmethod
+    def nbytes(self) -> dict[str, int]:
+        """As CacheRecord.nbytes, without fetching."""
+
+
+def local_record(record: CacheRecord | RemoteCacheRecord) -> CacheRecord:
+    return record if isinstance(record, CacheRecord) else record.materialize()
+
+
 def read_record(cache: ModelCache, slot: int, rows: torch.Tensor) -> CacheRecord:
     """Copy one sequence's state (slot) and latent rows [n] out of `cache`, to the CPU."""
     return CacheRecord(
@@ -129,7 +148,7 @@ class Handoff:
     request_id: str
     prompt_token_ids: list[int]
     start: int
-    records: list[CacheRecord]
+    records: list[CacheRecord | RemoteCacheRecord]
     first_token: int
     first_logprobs: PositionLogprobs | None  # the first token's entry, when log-probs were asked
     generator_state: torch.Tensor | None  # the sampler's torch.Generator state after the first sample
@@ -149,10 +168,20 @@ class Handoff:
                 total[k] += v
         return total
 
+    @property
+    def transport(self) -> str:
+        """How its caches travel: "stage-direct" (each pipeline stage's part as an object of its own,
+        written by the receiving stage that holds those layers), else "host" (through the replicas)."""
+        return "host" if all(isinstance(r, CacheRecord) for r in self.records) else "stage-direct"
+
+    def materialized(self) -> Handoff:
+        """Every record fetched here (for a receiver outside Ray: an engine process)."""
+        return replace(self, records=[local_record(r) for r in self.records])
+
     def pack(self) -> Handoff:
         """The same handoff with its tensors in one flat uint8 numpy array (Ray reads numpy arrays out
-        of its object store without copying them)."""
-        if self.packed is not None:
+        of its object store without copying them); records left at their stages stay there."""
+        if self.packed is not None or self.transport != "host":
             return self
         layout, chunks, offset = [], [], 0
         for i, r in enumerate(self.records):
