@@ -11,6 +11,7 @@ import pytest
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.engine.handoff import HandoffMismatchError
 from k3ray.sampling_params import RequestOutputKind
+from k3ray.testing import finish_request
 from k3ray.weights import load_model
 
 ray = pytest.importorskip("ray")
@@ -32,16 +33,7 @@ class Owner:
         return [ray.put(part)]  # in a list: the caller gets the reference, owned here
 
 
-def finish(engine, request_id):
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == request_id and out.finished:
-                final = out
-    failed = dict(engine.take_failed())
-    if request_id in failed:
-        raise failed[request_id]
-    return final
+finish = finish_request  # k3ray.testing
 
 
 def prefill(engine, request_id, prompt, held):
@@ -54,7 +46,8 @@ def engines(ray_cluster, tiny_checkpoint):
     built = {"local": LLMEngine(LocalExecutor(load_model(tiny_checkpoint)), CONFIG)}
     executors = []
     for name, (pipeline, experts) in {"pp2": (2, 1), "pp2-decode": (2, 1), "ep2": (1, 2)}.items():
-        executors.append(RayExecutor(tiny_checkpoint, ParallelConfig(pipeline, experts, **SMALL), name=f"handoff-{name}"))
+        parallel = ParallelConfig(pipeline, experts, **SMALL)
+        executors.append(RayExecutor(tiny_checkpoint, parallel, name=f"handoff-{name}"))
         built[name] = LLMEngine(executors[-1], CONFIG)
     yield built
     for executor in executors:

@@ -16,6 +16,7 @@ from k3ray.engine.config import EngineConfig, SpeculativeConfig
 from k3ray.engine.handoff import HandoffMismatchError
 from k3ray.models.init import build_model
 from k3ray.sampling_params import RequestOutputKind
+from k3ray.testing import finish_request
 
 MICRO = preset("k3-micro")
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -37,16 +38,7 @@ def engine(model, **kw):
     return LLMEngine(LocalExecutor(model), EngineConfig(**config))
 
 
-def finish(engine, request_id):
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == request_id and out.finished:
-                final = out
-    failed = dict(engine.take_failed())
-    if request_id in failed:
-        raise failed[request_id]
-    return final
+finish = finish_request  # k3ray.testing
 
 
 def colocated(model, prompt, params, **kw):
