@@ -33,12 +33,11 @@ class Owner:
         return [ray.put(part)]  # in a list: the caller gets the reference, owned here
 
 
-finish = finish_request  # k3ray.testing
 
 
 def prefill(engine, request_id, prompt, held):
     engine.add_request(request_id, prompt, replace(GREEDY, output_kind=RequestOutputKind.FINAL_ONLY), export_from=held)
-    return finish(engine, request_id).handoff
+    return finish_request(engine, request_id).handoff
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,7 @@ def engines(ray_cluster, tiny_checkpoint):
 
 def reference(engines, prompt):
     engines["local"].add_request("ref", prompt, GREEDY)
-    return finish(engines["local"], "ref").outputs[0].token_ids
+    return finish_request(engines["local"], "ref").outputs[0].token_ids
 
 
 @pytest.mark.parametrize("decode", ["pp2-decode", "ep2", "local"])
@@ -65,7 +64,7 @@ def test_a_pipelines_handoff_continues_on_any_layout(engines, decode):
         handoff = prefill(engines["pp2"], f"{decode}-{i}", prompt, engines[decode].held_prefix_tokens(prompt))
         assert isinstance(handoff.records[0], StageRecords) and handoff.transport == "stage-direct"
         engines[decode].add_request(f"{decode}-{i}", prompt, GREEDY, handoff=handoff)
-        assert finish(engines[decode], f"{decode}-{i}").outputs[0].token_ids == reference(engines, prompt)
+        assert finish_request(engines[decode], f"{decode}-{i}").outputs[0].token_ids == reference(engines, prompt)
 
 
 def test_parts_lost_with_their_owner_are_asked_for_again(engines):
@@ -78,7 +77,7 @@ def test_parts_lost_with_their_owner_are_asked_for_again(engines):
     decode = engines["pp2-decode"]
     decode.add_request("lost", prompt, GREEDY, handoff=handoff)
     with pytest.raises(HandoffMismatchError, match="lost in transit"):
-        finish(decode, "lost")
+        finish_request(decode, "lost")
     assert decode.executor.health()["healthy"]
     decode.add_request("again", prompt, GREEDY, handoff=prefill(engines["pp2"], "again", prompt, 0))
-    assert finish(decode, "again").outputs[0].token_ids == reference(engines, prompt)
+    assert finish_request(decode, "again").outputs[0].token_ids == reference(engines, prompt)

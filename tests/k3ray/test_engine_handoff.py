@@ -38,19 +38,18 @@ def engine(model, **kw):
     return LLMEngine(LocalExecutor(model), EngineConfig(**config))
 
 
-finish = finish_request  # k3ray.testing
 
 
 def colocated(model, prompt, params, **kw):
     e = engine(model, **kw)
     e.add_request("r", prompt, params)
-    return finish(e, "r").outputs[0]
+    return finish_request(e, "r").outputs[0]
 
 
 def prefill(prefill_engine, request_id, prompt, params, export_from):
     only_final = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
     prefill_engine.add_request(request_id, prompt, only_final, export_from=export_from)
-    out = finish(prefill_engine, request_id)
+    out = finish_request(prefill_engine, request_id)
     assert out.outputs[0].finish_reason in ("handoff", "stop", "length")
     return out.handoff
 
@@ -60,7 +59,7 @@ def disaggregated(prefill_engine, decode_engine, request_id, prompt, params):
     held = decode_engine.held_prefix_tokens(prompt)
     handoff = prefill(prefill_engine, request_id, prompt, params, held).pack()  # as it crosses Ray
     decode_engine.add_request(request_id, prompt, params, handoff=handoff)
-    return finish(decode_engine, request_id).outputs[0], handoff
+    return finish_request(decode_engine, request_id).outputs[0], handoff
 
 
 def assert_nothing_held(e):
@@ -155,7 +154,7 @@ def test_a_prefix_evicted_before_the_handoff_arrives_fails_only_that_request(mod
     d.add_request("other", tokens(10, 12), GREEDY)
     d.add_request("late", prompt, GREEDY, handoff=handoff)
     with pytest.raises(HandoffMismatchError, match="no longer cached"):
-        finish(d, "late")
+        finish_request(d, "late")
     assert_nothing_held(d)
     # the sender's retry: the whole prompt
     out, h = disaggregated(p, d, "late", prompt, GREEDY)
@@ -176,7 +175,7 @@ def test_a_handoff_waits_for_room_and_can_be_aborted_while_it_waits(model):
     d.abort_request("busy")
     assert_nothing_held(d)
     d.add_request("w2", prompt, GREEDY, handoff=prefill(p, "w2", prompt, GREEDY, 0))
-    assert finish(d, "w2").outputs[0].token_ids == colocated(model, prompt, GREEDY).token_ids
+    assert finish_request(d, "w2").outputs[0].token_ids == colocated(model, prompt, GREEDY).token_ids
 
 
 def test_bad_handoff_requests_are_refused(model):
