@@ -2,16 +2,15 @@
 prefix, over two replicas, with prefix-affinity routing against Serve's default routing (HAProxy by
 connections), and on one replica; the same requests each time.
 
---conversations conversations of --turns turns each, one turn after another. Conversation c
-belongs to group c % --prefix-groups (so groups take turns starting, and alternating replicas would
-split every group: keep the count odd). Its first prompt is its group's prefix (--prompt-tokens
-random ordinary token ids, shared by the group) and an opening message of its own (--turn-len
-tokens); each later prompt is the turn before's prompt, its reply as a client resends it
-(--max-tokens tokens) and a new message (--turn-len tokens). Each group's first conversation opens
-it: those start one every --start-gap-s seconds, and once each has had its first turn (its group's
-prefix is cached somewhere) the rest start likewise, so what a prefix costs depends on where the
-router sends the group, not on two prompts racing to compute it. A prefix of a multiple of 1,024
-tokens (the engine's snapshot stride) resumes whole.
+--conversations conversations of --turns turns each, one turn after another, in --prefix-groups
+groups of (as nearly as may be) equal size. A conversation's first prompt is its group's prefix
+(--prompt-tokens random ordinary token ids, shared by the group) and an opening message of its own
+(--turn-len tokens); each later prompt is the turn before's prompt, its reply as a client resends it
+(--max-tokens tokens) and a new message (--turn-len tokens). One conversation per group opens it:
+those start one every --start-gap-s seconds, and once each has had its first turn (its group's
+prefix is cached somewhere) the rest start likewise, their groups in a seeded random order; so what
+a prefix costs depends on where the router sends the group, not on two prompts racing to compute it.
+A prefix of a multiple of 1,024 tokens (the engine's snapshot stride) resumes whole.
 
 Each configuration gets a fresh app on one local Ray instance (haproxy ingress), a warm-up
 conversation per replica, then the workload. --repeats runs of the two routers alternate their
@@ -55,26 +54,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("--workload shared-prefix", f"a group's shared prefix has --prompt-tokens "
                                       f"tokens (default {PREFIX_LEN}), a reply --max-tokens (default {OUTPUT_LEN}); "
                                       "--repeats runs of each router")
-    group.add_argument("--conversations", type=int, default=12, help="conversations (default 12)")
-    group.add_argument("--prefix-groups", type=int, default=3,
-                       help="groups of conversations sharing a prefix, conversation c in group c %% groups (default 3)")
+    group.add_argument("--conversations", type=int, default=16, help="conversations (default 16)")
+    group.add_argument("--prefix-groups", type=int, default=4,
+                       help="groups of conversations, each sharing its own prefix (default 4)")
     group.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
     group.add_argument("--turn-len", type=int, default=64, help="tokens of each new message (default 64)")
     group.add_argument("--start-gap-s", type=float, default=0.25,
                        help="seconds between the starts of two conversations (default 0.25)")
 
 
+def group_of(count: int, groups: int, seed: int) -> list[int]:
+    """Each conversation's group: the first `groups` open one each, the rest take turns among the
+    groups in a seeded random order (so that no alternation between replicas follows the groups)."""
+    rest = [c % groups for c in range(count - groups)]
+    return list(range(groups)) + np.random.default_rng([seed, 2]).permutation(rest).tolist()
+
+
 def conversations(count: int, turns: int, prefix_len: int, turn_len: int, output_len: int,
                   token_range: tuple[int, int], seed: int, groups: int = 1) -> list[list]:
-    """`count` conversations of `turns` requests, each prompt extending the one before; conversation
-    c opens with group c % groups's prefix (prefix_len tokens) and turn_len tokens of its own."""
+    """`count` conversations of `turns` requests, each prompt extending the one before; a
+    conversation opens with its group's prefix (prefix_len tokens, group_of) and turn_len tokens of
+    its own."""
     low, high = token_range
     prefixes = [np.random.default_rng([seed, 1, g]).integers(low, high, size=prefix_len).tolist()
                 for g in range(groups)]
     out = []
-    for c in range(count):
+    for c, group in enumerate(group_of(count, groups, seed)):
         rng = np.random.default_rng([seed, 0, c])
-        prompt = prefixes[c % groups] + rng.integers(low, high, size=turn_len).tolist()
+        prompt = prefixes[group] + rng.integers(low, high, size=turn_len).tolist()
         requests = []
         for _ in range(turns):
             requests.append(BenchRequest(tuple(prompt), output_len))
