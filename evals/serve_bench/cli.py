@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=("levels", "ramp", "shared-prefix"), default="levels",
                         help="levels: throughput and latency per --concurrency level against the in-process engine; "
                         "ramp: autoscaling under a ramp of load, the llm policy vs ongoing requests (ramp.py); "
-                        "shared-prefix: multi-turn conversations over 2 replicas, prefix-affinity routing vs Serve's "
+                        "shared-prefix: conversations in groups sharing a long prefix, over 2 replicas, prefix-affinity routing vs Serve's "
                         "default, and 1 replica (shared_prefix.py)")
     parser.add_argument("--endpoint", help="server URL (default: start k3ray's Serve app on 127.0.0.1)")
     parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", choices=datasets.DATASETS, default="random",
                         help="random token ids, or long prompts of the bundled text")
     parser.add_argument("--prompt-tokens", dest="input_len", type=int,
-                        help="prompt tokens (mean; default: 32, ramp 2048, shared-prefix 1024: the first turn)")
+                        help="prompt tokens (mean; default: 32, ramp 2048, shared-prefix 4096: a group's shared prefix)")
     add_deprecated_alias(parser, "--input-len", "--prompt-tokens", dest="input_len", type=int)
     parser.add_argument("--max-tokens", dest="output_len", type=int,
                         help="generated tokens (mean; EOS ignored; default: 16, ramp 8, shared-prefix 4)")
