@@ -301,8 +301,9 @@ def compare(args: argparse.Namespace, deploy: Callable[[dict], str], delete: Cal
             delete()
     colocated, disaggregated = runs["colocated"], runs["disaggregated"]
     identical, detail = outputs_identical(raw["colocated"], raw["disaggregated"])
-    ratio = None
-    if colocated["itl_p99_ms"] and disaggregated["itl_p99_ms"] is not None:
+    ratio = None  # none from a run with a failed request: its window could have closed early
+    if colocated["itl_p99_ms"] and disaggregated["itl_p99_ms"] is not None and not (
+            colocated["failed"] or disaggregated["failed"]):
         ratio = disaggregated["itl_p99_ms"] / colocated["itl_p99_ms"]
     handoff = disaggregated.get("handoff", {})
     return {
