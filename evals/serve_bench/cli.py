@@ -60,13 +60,14 @@ def _rate(rate: float) -> float | str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-    from k3ray.evals.serve_bench import ramp, shared_prefix
+    from k3ray.evals.serve_bench import pd, ramp, shared_prefix
 
-    parser.add_argument("--workload", choices=("levels", "ramp", "shared-prefix"), default="levels",
+    parser.add_argument("--workload", choices=("levels", "ramp", "shared-prefix", "pd"), default="levels",
                         help="levels: throughput and latency per --concurrency level against the in-process engine; "
                         "ramp: autoscaling under a ramp of load, the llm policy vs ongoing requests (ramp.py); "
-                        "shared-prefix: conversations in groups sharing a long prefix, over 2 replicas, prefix-affinity routing vs Serve's "
-                        "default, and 1 replica (shared_prefix.py)")
+                        "shared-prefix: conversations in groups sharing a long prefix, over 2 replicas, prefix-affinity "
+                        "routing vs Serve's default, and 1 replica (shared_prefix.py); pd: decode streams' ITL while "
+                        "long prompts arrive, prefill/decode disaggregation vs colocated replicas, and the handoffs (pd.py)")
     parser.add_argument("--endpoint", help="server URL (default: start k3ray's Serve app on 127.0.0.1)")
     parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                         help="without --endpoint: HAProxy + each replica's own HTTP server, or Serve's proxy actor")
@@ -104,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also the per-request lists (ttfts, itls, latencies, ...) of the highest level")
     ramp.add_arguments(parser)
     shared_prefix.add_arguments(parser)
+    pd.add_arguments(parser)
 
 
 def _serve_args(args: argparse.Namespace, levels: list[int | None], max_prompts: int) -> dict[str, Any]:
@@ -144,6 +146,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from k3ray.evals.serve_bench import shared_prefix
 
         return shared_prefix.run(args)
+    if args.workload == "pd":
+        # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
+        from k3ray.evals.serve_bench import pd
+
+        return pd.run(args)
     args.input_len = 32 if args.input_len is None else args.input_len
     args.output_len = 16 if args.output_len is None else args.output_len
     levels = _levels(args.concurrency)

@@ -1,5 +1,6 @@
 """One streamed completion, timed on the client: TTFT, the gaps between chunks (ITL) and the
-end-to-end latency, with the output token count from the final `usage` chunk. aiohttp, as in
+end-to-end latency, with the output token count from the final `usage` chunk (or, for a stream
+its caller stops early through `on_chunk`, the chunks read). aiohttp, as in
 `vllm bench serve`: the load generator shares the machine, and httpx's pure-Python HTTP stack
 costs far more CPU per SSE line.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -32,6 +34,7 @@ class RequestResult:
     queue_time: float = 0.0
     generated_text: str = ""
     error: str = ""
+    stopped: bool = False  # the caller's on_chunk ended the stream before the server did
 
 
 def completion_payload(model: str, request: BenchRequest, extra_body: dict | None = None) -> dict:
@@ -48,8 +51,10 @@ def open_session(concurrency: int | None, timeout: float, api_key: str | None = 
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, request: BenchRequest,
-                            extra_body: dict | None = None) -> RequestResult:
-    """POST {url}/v1/completions with stream=true; never raises for a failed request (see `error`)."""
+                            extra_body: dict | None = None,
+                            on_chunk: Callable[[RequestResult], bool] | None = None) -> RequestResult:
+    """POST {url}/v1/completions with stream=true; never raises for a failed request (see `error`).
+    on_chunk(result so far) runs after each choice chunk; True closes the stream there (`stopped`)."""
     result = RequestResult(prompt_len=request.prompt_len)
     payload = completion_payload(model, request, extra_body)
     pieces: list[str] = []
@@ -78,6 +83,9 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, model: str
                         result.itl.append(now - last)
                     last = now
                     pieces.append(chunk["choices"][0].get("text") or "")
+                    if on_chunk is not None and on_chunk(result):
+                        result.stopped, result.output_tokens = True, len(pieces)
+                        break
                 if chunk.get("usage"):
                     result.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
         result.latency = time.perf_counter() - start
