@@ -65,9 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=("levels", "ramp", "shared-prefix", "pd"), default="levels",
                         help="levels: throughput and latency per --concurrency level against the in-process engine; "
                         "ramp: autoscaling under a ramp of load, the llm policy vs ongoing requests (ramp.py); "
-                        "shared-prefix: conversations in groups sharing a long prefix, over 2 replicas, prefix-affinity "
-                        "routing vs Serve's default, and 1 replica (shared_prefix.py); pd: decode streams' ITL while "
-                        "long prompts arrive, prefill/decode disaggregation vs colocated replicas, and the handoffs (pd.py)")
+                        "shared-prefix: conversations in groups sharing a long prefix, over 2 replicas, "
+                        "prefix-affinity routing vs Serve's default, and 1 replica (shared_prefix.py); pd: decode "
+                        "streams' ITL while long prompts arrive, prefill/decode disaggregation vs colocated "
+                        "replicas, and the handoffs (pd.py)")
     parser.add_argument("--endpoint", help="server URL (default: start k3ray's Serve app on 127.0.0.1)")
     parser.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                         help="without --endpoint: HAProxy + each replica's own HTTP server, or Serve's proxy actor")
