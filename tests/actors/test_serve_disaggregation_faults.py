@@ -4,17 +4,21 @@ replica, each model in an engine process of its replica), through HTTP as a clie
   request is retried on the other prefill replica and answers as it would have;
 - both prefill replicas killed, one per attempt: a 503 with Retry-After within seconds; a request
   sent while no prefill replica is left waits for the ones Serve starts and is answered;
-- the prefix the decode replica said it held evicted before the handoff arrives (n = 2 requests,
-  which run whole on the decode replica, fill its cache meanwhile): the retry sends the whole prompt;
+- the prefix the decode replica said it held evicted before the handoff arrives (a stream and an
+  n = 2 request, which runs whole on the decode replica, fill its cache meanwhile): the retry sends
+  the whole prompt;
 - the decode replica killed while it streams and while a prefill runs for it: the stream ends with
   an error, the prefill pool is left holding nothing, and Serve's new decode replica serves.
 After each, nothing is held once idle: no MLA block or KDA state slot of a live sequence on the
-decode replica (its /metrics) or on the prefill replicas (their load reports)."""
+decode replica (its /metrics) or on the prefill replicas (their load reports).
+Slow, on an app of its own: the two pools scale independently under a ramp, each on its own signals
+(the role terms themselves are unit-tested in test_llm_autoscaling.py)."""
 
 import json
 import re
 import threading
 import time
+from collections import Counter
 
 import httpx
 import psutil
@@ -24,6 +28,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from k3ray.actors.serve import load_signals as sig  # noqa: E402
+from k3ray.evals.serve_bench.chaos import _processes as ray_processes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 APP = "k3ray-pd-faults"
@@ -68,6 +73,20 @@ def completion(url: str, prompt: list[int], max_tokens: int, timeout: float = 30
         **fields})
 
 
+def stream(url: str, prompt: list[int], max_tokens: int, events: list[str] | None = None,
+           until: threading.Event | None = None) -> int:
+    """A streamed greedy completion: its lines into `events`, closed early once `until` is set -> status."""
+    body = {"model": "k3-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if events is not None:
+                events.append(line)
+            if until is not None and until.is_set():
+                break
+    return r.status_code
+
+
 def completes(url: str) -> bool:
     try:
         return completion(url, [1, 2, 3], 1, timeout=60).status_code == 200
@@ -100,17 +119,8 @@ class InBackground(threading.Thread):
 
 # the app's processes ------------------------------------------------------------------------------
 def replicas(deployment: str) -> list[psutil.Process]:
-    """This Ray's replica processes of `deployment` in the app (a replica's parent is its raylet)."""
-    gcs_flag = f"--gcs-address={ray.get_runtime_context().gcs_address}"
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if f"ServeReplica:{APP}:{deployment}" in " ".join(proc.info["cmdline"] or []):
-            try:
-                if gcs_flag in proc.parent().cmdline():
-                    found.append(proc)
-            except (psutil.Error, AttributeError):
-                pass
-    return found
+    """This Ray's replica processes of `deployment` in the app."""
+    return ray_processes(f"ServeReplica:{APP}:{deployment}")
 
 
 def engine_of(replica: psutil.Process) -> psutil.Process | None:
@@ -248,20 +258,6 @@ def test_a_held_prefix_evicted_before_its_handoff_arrives_is_sent_again_whole(pd
     assert text(completion(pd, prompt, 8)) == answer
 
 
-def stream(url: str, prompt: list[int], max_tokens: int, events: list[str] | None = None,
-           until: threading.Event | None = None) -> int:
-    """A streamed greedy completion: its lines into `events`, closed early once `until` is set -> status."""
-    body = {"model": "k3-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if events is not None:
-                events.append(line)
-            if until is not None and until.is_set():
-                break
-    return r.status_code
-
-
 def test_a_decode_replica_lost_while_it_streams_ends_the_stream_and_is_replaced(pd):
     """Killed while it streams one request and waits on a prefill for another: the stream ends with
     an error (not a hang), the prefill replica finishes or drops its prefill and holds nothing, and
@@ -292,3 +288,83 @@ def test_a_decode_replica_lost_while_it_streams_ends_the_stream_and_is_replaced(
     print(f"decode replica lost: a new one serves {time.monotonic() - lost_at:.0f} s later ({took:.0f} s waited)")
     assert text(completion(pd, prompt, 16)) == reference
     assert_nothing_held(pd)
+
+
+# the two pools scale independently (slow: 1.5 min on a quiet machine, 4 on a busy one) -------------
+RAMP_APP = "k3ray-pd-ramp"
+RAMP = {
+    "server": {"served_model_name": "k3-tiny", "max_ongoing_requests": 16, "max_queue_wait_s": 0},
+    "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 2048},
+    "parallel": {"replica_cpus": 0.5},
+    "autoscaling": {"autoscale_policy": "llm", "autoscale_queued_tokens": 1000, "autoscale_ttft_ms": 600_000,
+                    "min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 1, "downscale_delay_s": 5,
+                    "metrics_interval_s": 0.5, "look_back_period_s": 2},
+    # any decoding is over an ITL target of 1 ms: the decode pool grows as soon as it streams
+    "disaggregation": {"prefill_replicas": 1, "prefill_max_replicas": 3, "autoscale_itl_ms": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def ramp_app(serve_app, tiny_checkpoint):
+    from k3ray.actors.serve.launch import delete_app
+
+    delete_app(APP)  # done with (if it ran): its route and its replicas' CPU
+    url = serve_app({**RAMP, "model": {"model": tiny_checkpoint}}, name=RAMP_APP)
+    wait_until(lambda: completes(url), RECOVERY_S, "the ramp app serving")
+    return url
+
+
+def pool_sizes() -> tuple[int, int]:
+    """(prefill, decode) replicas of the ramp app starting or running."""
+    deployments = serve.status().applications[RAMP_APP].deployments
+    return tuple(sum(n for state, n in deployments[d].replica_states.items() if state != "STOPPING")
+                 for d in ("K3Prefill", "K3Server"))
+
+
+def grow_one_pool(url: str, pool: int, clients: int, prompt_tokens: int, max_tokens: int) -> tuple[float, Counter]:
+    """Clients sending requests back to back (one more each 0.5 s) until pool `pool` (0: prefill,
+    1: decode) has grown, and 10 s more -> seconds it took, and the pool sizes seen all along."""
+    stop, statuses, seen = threading.Event(), Counter(), Counter()
+
+    def client(seed: int) -> None:
+        while not stop.is_set():
+            seed += 1000
+            try:
+                statuses[completion(url, ids(prompt_tokens, seed), max_tokens).status_code] += 1
+            except httpx.HTTPError as e:
+                statuses[type(e).__name__] += 1
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen[pool_sizes()] += 1
+            time.sleep(0.25)
+
+    start = time.monotonic()
+    threads = [InBackground(watch)]
+    try:
+        for seed in range(clients):
+            threads.append(InBackground(lambda seed=seed: client(seed)))
+            time.sleep(0.5)
+        wait_until(lambda: pool_sizes()[pool] >= 2, 240, f"pool {pool} to grow")
+        took = time.monotonic() - start
+        time.sleep(10)  # and it holds
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    assert set(statuses) == {200}, statuses
+    return took, seen
+
+
+@pytest.mark.slow
+def test_each_pool_grows_on_its_own_load_while_the_other_stays(ramp_app):
+    assert pool_sizes() == (1, 1)
+    # long prompts, one token each: prompt tokens queue on the prefill pool, nothing decodes
+    took, seen = grow_one_pool(ramp_app, 0, clients=6, prompt_tokens=1500, max_tokens=1)
+    assert {decode for _, decode in seen} == {1}, seen
+    print(f"long prompts: the prefill pool grew after {took:.0f} s, {seen}")
+    wait_until(lambda: pool_sizes() == (1, 1), RECOVERY_S, "both pools back at one replica")
+    # short prompts, long decodes
+    took, seen = grow_one_pool(ramp_app, 1, clients=12, prompt_tokens=20, max_tokens=400)
+    assert {prefill for prefill, _ in seen} == {1}, seen
+    print(f"long decodes: the decode pool grew after {took:.0f} s, {seen}")
