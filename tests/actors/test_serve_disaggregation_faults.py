@@ -11,7 +11,7 @@ replica, each model in an engine process of its replica), through HTTP as a clie
   an error, the prefill pool is left holding nothing, and Serve's new decode replica serves.
 After each, nothing is held once idle: no MLA block or KDA state slot of a live sequence on the
 decode replica (its /metrics) or on the prefill replicas (their load reports).
-Slow, on an app of its own: the two pools scale independently under a ramp, each on its own signals
+Last, on an app of its own: the two pools scale independently under a ramp, each on its own signals
 (the role terms themselves are unit-tested in test_llm_autoscaling.py)."""
 
 import json
@@ -45,9 +45,18 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def app(serve_app, tiny_checkpoint):
+def port() -> int:
+    """The module's apps' port (Serve's proxy keeps the one it started on)."""
+    from k3ray.actors.serve.isolation import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def app(serve_app, tiny_checkpoint, port):
     url = serve_app({"model": {"model": tiny_checkpoint}, "server": {"served_model_name": "k3-tiny"},
-                     "engine": ENGINE, "disaggregation": {"prefill_replicas": 2, "handoff_attempts": 2}}, name=APP)
+                     "engine": ENGINE, "disaggregation": {"prefill_replicas": 2, "handoff_attempts": 2}},
+                    name=APP, port=port)
     wait_until(lambda: completes(url), RECOVERY_S, "the disaggregated app serving")
     return url
 
@@ -290,7 +299,7 @@ def test_a_decode_replica_lost_while_it_streams_ends_the_stream_and_is_replaced(
     assert_nothing_held(pd)
 
 
-# the two pools scale independently (slow: 1.5 min on a quiet machine, 4 on a busy one) -------------
+# the two pools scale independently (about a minute on a quiet machine, 4 on a busy one) ------------
 RAMP_APP = "k3ray-pd-ramp"
 RAMP = {
     "server": {"served_model_name": "k3-tiny", "max_ongoing_requests": 16, "max_queue_wait_s": 0},
@@ -305,11 +314,11 @@ RAMP = {
 
 
 @pytest.fixture(scope="module")
-def ramp_app(serve_app, tiny_checkpoint):
+def ramp_app(serve_app, tiny_checkpoint, port):
     from k3ray.actors.serve.launch import delete_app
 
     delete_app(APP)  # done with (if it ran): its route and its replicas' CPU
-    url = serve_app({**RAMP, "model": {"model": tiny_checkpoint}}, name=RAMP_APP)
+    url = serve_app({**RAMP, "model": {"model": tiny_checkpoint}}, name=RAMP_APP, port=port)
     wait_until(lambda: completes(url), RECOVERY_S, "the ramp app serving")
     return url
 
@@ -356,7 +365,6 @@ def grow_one_pool(url: str, pool: int, clients: int, prompt_tokens: int, max_tok
     return took, seen
 
 
-@pytest.mark.slow
 def test_each_pool_grows_on_its_own_load_while_the_other_stays(ramp_app):
     assert pool_sizes() == (1, 1)
     # long prompts, one token each: prompt tokens queue on the prefill pool, nothing decodes
