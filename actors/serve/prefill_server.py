@@ -2,7 +2,9 @@
 aware, the same engine as K3Server) and answer each with its Handoff (k3ray/engine/handoff.py) for
 the decode replica that asked (serve/disaggregation.py). No HTTP: only decode replicas call it,
 through a deployment handle routed by prefix affinity over the prompt's block hashes. It reports
-its own load (queued prompt tokens, TTFT) to the autoscaler, for the prefill pool's own policy.
+its own load (queued prompt tokens, TTFT) to the autoscaler, for the prefill pool's own policy. A
+replica whose engine process died ends itself at the next prefill (the decode side retries that
+elsewhere), and Serve starts another.
 """
 
 from __future__ import annotations
