@@ -7,8 +7,9 @@ the replica count from what each replica reports (serve/load_signals.py), not fr
                   replicas                                      when it is within HOLD of it)
 
 A disaggregated app's pools (serve/disaggregation.py) each have their own terms (`role`): prefill
-replicas on queued prompt tokens and TTFT; decode replicas on cache usage, running sequences per
-replica (running_per_replica) and inter-token latency p90 over its target, as TTFT above.
+replicas on queued prompt tokens and TTFT; decode replicas on cache usage, sequences running or
+waiting for a slot per replica (running_per_replica) and inter-token latency p90 over its target, as
+TTFT above.
 
 Queued tokens and cache usage scale in proportion (the same work spread over fewer replicas must
 still fit); TTFT, which is not linear in replicas, only pushes up, and holds the count while it is
@@ -64,11 +65,15 @@ class LLMAutoscalingPolicy:
             state[STATE_KEY] = {"reason": "no reports"}
             return ctx.target_num_replicas, state
         replicas = max(ctx.current_num_replicas, 1)
+
+        def total(key: str) -> float:
+            return sum(metrics.get(key, {}).values())
+
         terms = {
-            "queued_tokens": lambda: sum(metrics.get(load_signals.QUEUED_TOKENS, {}).values())
-            / self.queued_tokens_per_replica,
+            "queued_tokens": lambda: total(load_signals.QUEUED_TOKENS) / self.queued_tokens_per_replica,
             "cache_usage": lambda: sum(reporting.values()) / self.cache_usage_target,
-            "running": lambda: sum(metrics.get(load_signals.RUNNING, {}).values()) / self.running_per_replica,
+            # waiting ones too: running sequences alone never ask for more replicas than there are
+            "running": lambda: (total(load_signals.RUNNING) + total(load_signals.WAITING)) / self.running_per_replica,
             "ttft": lambda: self._latency_term(metrics, load_signals.TTFT_P90, load_signals.TTFT_COUNT,
                                                self.ttft_target_s, replicas),
             "itl": lambda: self._latency_term(metrics, load_signals.ITL_P90, load_signals.ITL_COUNT,

@@ -2,13 +2,16 @@
 aware, the same engine as K3Server) and answer each with its Handoff (k3ray/engine/handoff.py) for
 the decode replica that asked (serve/disaggregation.py). No HTTP: only decode replicas call it,
 through a deployment handle routed by prefix affinity over the prompt's block hashes. It reports
-its own load (queued prompt tokens, TTFT) to the autoscaler, for the prefill pool's own policy.
+its own load (queued prompt tokens, TTFT) to the autoscaler, for the prefill pool's own policy. A
+replica whose engine process died ends itself at the next prefill (the decode side retries that
+elsewhere), and Serve starts another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -50,11 +53,21 @@ class K3Prefill:
                 async for out in outputs:
                     final = out
         except (ValueError, ModelUnavailableError) as e:
+            self._leave_if_engine_dead()
             return e
         assert final is not None and final.handoff is not None, f"request {request_id} ended without a handoff"
         if final.metrics.ttft is not None:
             self.load_signals.observe_ttft(final.metrics.ttft)
         return final.handoff.pack()
+
+    def _leave_if_engine_dead(self) -> None:
+        """An engine process that died never comes back: end this replica now, so the caller's attempt
+        fails with ActorDiedError, which takes the replica out of the callers' routers at once, and Serve
+        starts another. Kept alive until its health checks fail, it would fail every request routed here
+        at once, and as the least loaded replica it would draw them all."""
+        if isinstance(self.engine, EngineClient) and not self.engine.alive:
+            logger.error("K3Prefill: engine process exit code %s; this replica ends", self.engine.process.poll())
+            os._exit(1)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The prefill pool's load: prompt tokens waiting in the engine, and the TTFT it gives."""

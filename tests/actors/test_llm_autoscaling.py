@@ -150,3 +150,74 @@ def test_a_replica_reports_queued_tokens_cache_usage_and_recent_ttft_percentiles
     clock.now += 11  # the window passes: an idle replica reports no TTFT
     later = signals.report(stats(0, 0.0, 0, 12), 0)
     assert later[sig.TTFT_COUNT] == 0 and later[sig.TTFT_P90] == 0 and later[sig.QUEUED_TOKENS] == 0
+
+
+# the two pools of a disaggregated app (serve/disaggregation.py) ----------------------------------
+PREFILL = LLMAutoscalingPolicy(ttft_target_ms=1000, queued_tokens_per_replica=1000, role="prefill")
+DECODE = LLMAutoscalingPolicy(ttft_target_ms=1000, queued_tokens_per_replica=1000, role="decode",
+                              itl_target_ms=100, running_per_replica=4)
+
+
+def load(queued: float = 0, cache: float = 0.0, running: float = 0, waiting: float = 0, ttft_p90: float = 0.0,
+         ttft_count: float = 0, itl_p90: float | None = None, itl_count: float = 0) -> dict[str, float]:
+    """A prefill replica's report (no ITL keys), or a decode replica's (with them)."""
+    out = {**report(queued, cache, ttft_p90, ttft_count), sig.RUNNING: float(running), sig.WAITING: float(waiting)}
+    if itl_p90 is not None:
+        out.update({sig.ITL_P90: itl_p90, sig.ITL_COUNT: float(itl_count)})
+    return out
+
+
+def test_the_prefill_pool_is_sized_on_queued_prompt_tokens_and_ttft_only():
+    """Long prompts waiting size it; its cache filling up with them, or its sequences, do not."""
+    desired, state = PREFILL(context([load(queued=2500, cache=0.99, running=4), load(queued=500, cache=0.99)]))
+    assert desired == pytest.approx(3.0) and state[STATE_KEY]["reason"] == "queued_tokens"
+    assert set(state[STATE_KEY]) == {"reason", "queued_tokens", "ttft"}
+    desired, state = PREFILL(context([load(ttft_p90=1.5, ttft_count=3, cache=0.99)] * 2))
+    assert desired == pytest.approx(3.0) and state[STATE_KEY]["reason"] == "ttft"
+    assert PREFILL(context([load(cache=0.99, running=4, itl_p90=9.0, itl_count=5)] * 2))[0] == 0  # idle prompts
+
+
+def test_the_decode_pool_is_sized_on_cache_sequences_and_itl_only():
+    """Queued prompt tokens and TTFT (the prefill pool's business) do not move it."""
+    busy_prompts = load(queued=100_000, ttft_p90=30.0, ttft_count=9, itl_p90=0.0)
+    desired, state = DECODE(context([busy_prompts] * 2))
+    assert desired == 0 and set(state[STATE_KEY]) == {"reason", "cache_usage", "running", "itl"}
+    desired, state = DECODE(context([load(cache=0.99, itl_p90=0.0), load(cache=0.9, itl_p90=0.0)]))
+    assert desired == pytest.approx(2.1) and state[STATE_KEY]["reason"] == "cache_usage"
+    desired, state = DECODE(context([load(running=4, itl_p90=0.0)] * 3))  # every slot decoding: hold
+    assert desired == pytest.approx(3.0) and state[STATE_KEY]["reason"] == "running"
+
+
+def test_decode_sequences_waiting_for_a_slot_add_decode_replicas():
+    """Sequences beyond max_num_seqs wait in the replica's engine; the running term counts them
+    (the running sequences alone can never ask for more replicas than there are)."""
+    desired, state = DECODE(context([load(running=4, waiting=6, itl_p90=0.0)] * 2))
+    assert desired == pytest.approx(5.0) and state[STATE_KEY]["reason"] == "running"
+
+
+def test_inter_token_latency_over_target_scales_decode_out_and_near_it_holds():
+    desired, state = DECODE(context([load(itl_p90=0.15, itl_count=40)] * 2))
+    assert desired == pytest.approx(3.0) and state[STATE_KEY]["reason"] == "itl"
+    assert DECODE(context([load(itl_p90=5.0, itl_count=40)] * 2))[0] == pytest.approx(4.0)  # at most MAX_STEP x
+    assert DECODE(context([load(itl_p90=0.07, itl_count=40)] * 3))[0] == 3  # within HOLD of the target
+    assert DECODE(context([load(itl_p90=5.0, itl_count=0)] * 3))[0] == 0  # no tokens in the window
+
+
+def test_the_roles_policies_and_bounds_come_from_the_disaggregation_settings(tiny_checkpoint):
+    from k3ray.actors.serve.app import deployment_options, prefill_deployment_options
+    from k3ray.actors.serve.config import ServeArgs
+
+    args = ServeArgs.model_validate({
+        "model": {"model": tiny_checkpoint}, "engine": {"max_num_seqs": 6},
+        "autoscaling": {"min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 2, "autoscale_ttft_ms": 700},
+        "disaggregation": {"prefill_replicas": 2, "prefill_max_replicas": 5, "autoscale_itl_ms": 80}}).resolved()
+    decode = AutoscalingConfig(**deployment_options(args)["autoscaling_config"])
+    prefill = AutoscalingConfig(**prefill_deployment_options(args)["autoscaling_config"])
+    assert (decode.min_replicas, decode.max_replicas, prefill.min_replicas, prefill.max_replicas) == (1, 3, 2, 5)
+    assert decode.upscale_delay_s == prefill.upscale_delay_s == 2
+    decode_policy = decode.policy.get_policy()(**decode.policy.policy_kwargs)
+    prefill_policy = prefill.policy.get_policy()(**prefill.policy.policy_kwargs)
+    assert (decode_policy.role, decode_policy.itl_target_s, decode_policy.running_per_replica) == ("decode", 0.08, 6)
+    assert (prefill_policy.role, prefill_policy.ttft_target_s) == ("prefill", 0.7)
+    with pytest.raises(ValueError, match="role"):
+        LLMAutoscalingPolicy(ttft_target_ms=100, queued_tokens_per_replica=10, role="both")
