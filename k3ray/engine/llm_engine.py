@@ -557,7 +557,7 @@ class LLMEngine:
         backlog = s.backlog()
         return self.stats.snapshot(
             num_running=len(s.running),
-            num_waiting=len(s.waiting) + sum(len(r.seqs) for r in self._awaiting_grammar.values()),
+            num_waiting=len(s.waiting) + sum(len(r.seqs) for r in (*self._awaiting_grammar.values(), *self._imports)),
             num_preemptions=s.num_preemptions,
             cache=self.cache.usage(),
             prefix_cache_queries=self.cache.prefix_queries,

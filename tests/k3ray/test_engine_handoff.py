@@ -169,7 +169,8 @@ def test_a_handoff_waits_for_room_and_can_be_aborted_while_it_waits(model):
     handoff = prefill(p, "w", prompt, GREEDY, 0)
     d.add_request("w", prompt, GREEDY, handoff=handoff)
     d.step()
-    assert d._imports  # no sequence slot free: it waits
+    assert d._imports  # no sequence slot free: it waits, counted as waiting (the decode pool scales on it)
+    assert d.get_stats().num_waiting == 1
     final = d.abort_request("w")
     assert final.outputs[0].finish_reason == "abort"
     d.abort_request("busy")
