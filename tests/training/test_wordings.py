@@ -143,3 +143,25 @@ def test_a_worded_run_logs_the_heldout_family_apart(tmp_path):
     assert {"niah@ruler", "niah@ruler+chat", "vt@ruler", "cwe@ruler", "fwe@ruler"} <= set(last["heldout"])
     assert not set(last["heldout"]) & set(last["heldout_wording"])
     assert all(0.0 <= v <= 1.0 for v in (*last["heldout"].values(), *last["heldout_wording"].values()))
+
+
+def test_task_file_writes_kinds_the_eval_reads(tmp_path):
+    from k3ray.evals.tasks.jsonl import load_jsonl_task
+    from k3ray_training import task_file
+
+    path = tmp_path / "heldout.jsonl"
+    task_file.main(["--kinds", "niah@para_quiz,niah_multivalue@ruler+chat", "--haystack", "700", "--samples", "2",
+                    "--out", str(path)])
+    task = load_jsonl_task(path)
+    items = [task.build(cell, OracleTarget(), 0) for cell in task.cells((), None, 1)]
+    assert len(items) == 4
+    raw, chat = items[:2], items[2:]
+    for item in raw:
+        assert item.prompt.startswith("Pay attention to the special magic number in the following passage")
+        assert item.prompt.endswith(" is") and item.prompt.count(item.answers[0]) == 1
+    for item in chat:
+        (message,) = item.prompt
+        assert message["role"] == "user" and message["content"].endswith("mentioned in the provided text are")
+        assert len(item.answers) == 4 and all(a in message["content"] for a in item.answers)
+    with pytest.raises(SystemExit):
+        task_file.main(["--kinds", "niah", "--out", str(path)])
