@@ -135,9 +135,11 @@ def test_a_worded_run_logs_the_heldout_family_apart(tmp_path):
     out = tmp_path / "worded"
     main(["--out", str(out), "--config", "tiny", "--tokens-per-step", "600", "--max-haystack", "96", "--steps", "2",
           "--eval-every", "2", "--heldout-per-cell", "1", "--threads", "1", "--tasks", "niah=0.5,vt=0.5",
-          "--wordings", "ruler=0.5,para_codes=0.5", "--chat", "0.5"])
+          "--wordings", "ruler=0.5,para_codes=0.5", "--chat", "0.5", "--eval-first"])
     lines = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
     assert lines[0]["args"]["wordings"] == "ruler=0.5,para_codes=0.5" and lines[0]["args"]["chat"] == 0.5
+    assert lines[1]["step"] == 0 and lines[1]["event"] == "eval"  # the starting weights' scores
+    assert set(lines[1]["heldout_wording"]) == set(lines[-1]["heldout_wording"])
     last = lines[-1]
     assert set(last["heldout_wording"]) == {"niah@para_quiz", "niah@para_quiz+chat", "niah_multikey_1@para_quiz"}
     assert {"niah@ruler", "niah@ruler+chat", "vt@ruler", "cwe@ruler", "fwe@ruler"} <= set(last["heldout"])
