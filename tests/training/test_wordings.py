@@ -11,13 +11,16 @@ import pytest
 
 from k3ray.evals.oracle import OracleTarget
 from k3ray.evals.tasks import TASKS, Cell
+from k3ray.checkpoints import shipped_checkpoint_dir
 from k3ray.tokenizer import ByteTokenizer
 from k3ray.tokenizer import special as sp
+from k3ray.tokenizer.load import load_tokenizer
 from k3ray_training import data, wordings
 from k3ray_training.train import LOG_FILE, heldout_kinds, main, parse_args
 
 TOK = ByteTokenizer()
 IM_END = TOK.special_tokens[sp.IM_END]
+SERVED = load_tokenizer(shipped_checkpoint_dir("k3-tiny-niah"))  # what /v1/chat/completions encodes with
 
 
 def _ruler_item(name, length):
@@ -82,16 +85,16 @@ def test_chat_items_put_the_answer_in_the_assistant_turn():
                                  + re.search(r"for (\S+) mentioned in the provided text\?", text).group(1)
                                  + " mentioned in the provided text is")
             assert TOK.decode(ex.answer[:-1]) == " " + ex.references[0]
-        # the prompt ids are the chat template's, as the server encodes the same messages
+        # the prompt ids are the chat template's, as the server encodes the same messages with the checkpoint's
         messages = [{"role": "user", "content": user.split("<|im_end|>")[0]}]
         system = text.split("<|im_system|>system<|im_middle|>")[1].split("<|im_end|>")[0]
         if system != "You are Kimi, an AI assistant created by Moonshot AI.":
             messages.insert(0, {"role": "system", "content": system})
-        if "prefix" in forms and not text.endswith("<|im_middle|>"):
+        if not text.endswith("<|im_middle|>"):
             messages.append({"role": "assistant", "content": text.rsplit("<|im_middle|>", 1)[1]})
-            assert ex.prompt == TOK.encode_chat(messages, continue_final_message=True)
+            assert ex.prompt == SERVED.encode_chat(messages, continue_final_message=True)
         else:
-            assert ex.prompt == TOK.encode_chat(messages)
+            assert ex.prompt == SERVED.encode_chat(messages)
     assert forms == {"prompt", "prefix"}
 
 
