@@ -9,6 +9,7 @@ needle and one value, the rewrite in scripts/data/synthetic/niah.py ('Some' -> '
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import re
 
@@ -98,9 +99,16 @@ def test_vt_cwe_fwe_are_rulers_text():
         "most frequently appeared words are:")
 
 
+# sha256 of each default prompt (seed 0, 2500 tokens, random depth, sample 1) as the code before templates wrote it
+K3RAY_PROMPTS = {"niah": "f9865ebedff79bec", "niah_multiquery": "a1375f1b5ccec628", "vt": "2aea38f3127eb00b",
+                 "cwe": "9e87f45dbe6a1309", "fwe": "01f6bb3d95c87d62"}
+
+
 def test_k3ray_stays_the_default_wording():
-    for name in ("niah", "vt", "cwe", "fwe"):
+    for name, digest in K3RAY_PROMPTS.items():
         assert TASKS[name].template == "k3ray"
+        item = TASKS[name].build(Cell(name, 2500, None, 1), RIGHT, 0)
+        assert hashlib.sha256(item.prompt.encode()).hexdigest()[:16] == digest, name  # byte for byte today's
     item = _prompt("niah", "k3ray")
     assert item.prompt == TASKS["niah"].build(Cell("niah", 2000, 50.0, 0), RIGHT, 0).prompt
     assert item.prompt.startswith("Some special magic numbers are hidden inside the following text.")
