@@ -67,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # lazy: numpy, PIL and tqdm (the tasks, the runner) load for `k3ray eval`, not for `k3ray --help`
     from k3ray.evals.runner import EXECUTORS
     from k3ray.evals.tasks import SUITES, TASKS
+    from k3ray.evals.tasks.templates import DEFAULT_TEMPLATE, TEMPLATES
 
     suites = parser.add_subparsers(dest="suite", required=True)
     for suite, help_text in SUITE_HELP.items():
@@ -94,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--timeout", type=float, default=3600.0, help="seconds per HTTP request")
         p.add_argument("--haystack", help="JSONL (text field) or .txt file replacing the corpus (default: the bundled "
                        "public-domain one)")
+        p.add_argument("--template", choices=TEMPLATES, default=DEFAULT_TEMPLATE,
+                       help="the text tasks' prompt wording: k3ray's own, or RULER's templates and answer prefixes "
+                            f"(default: {DEFAULT_TEMPLATE})")
         p.add_argument("--reserve-generation", action="store_true",
                        help="a length counts the generated tokens too (RULER's convention), so 1m fits a 1m context")
         p.add_argument("--executor", choices=EXECUTORS, default="auto",
@@ -235,6 +239,7 @@ def main(args: argparse.Namespace) -> int:
         haystack=args.haystack,
         task_files=tuple(args.task_file),
         executor="threads" if args.model is not None else args.executor,  # the engine lives here
+        template=args.template,
     )
     try:
         summary = run_eval(config, _target(args), args.out, resume=args.resume, progress=not args.no_progress)

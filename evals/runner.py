@@ -25,10 +25,11 @@ from k3ray.evals.results import append_record, evaluate_cell, finished, load_rec
 from k3ray.evals.target import Target, count_tokens, tokens_computed
 from k3ray.evals.tasks import Cell, Task, get_task
 from k3ray.evals.tasks.jsonl import load_jsonl_task
+from k3ray.evals.tasks.templates import DEFAULT_TEMPLATE, check_template
 
 EXECUTORS = ("auto", "threads", "ray")
 # settings that change what a cell generates: a resumed run must keep them
-_RESUME_KEYS = ("seed", "target", "haystack", "reserve_generation")
+_RESUME_KEYS = ("seed", "target", "haystack", "reserve_generation", "template")
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,10 @@ class RunConfig:
     haystack: str | None = None
     task_files: tuple[str, ...] = ()
     executor: str = "auto"
+    template: str = DEFAULT_TEMPLATE  # the text tasks' prompt wording (templates.py): "k3ray" or RULER's "ruler"
 
     def __post_init__(self) -> None:
+        check_template(self.template)
         if not self.tasks and not self.task_files:
             raise ValueError("tasks must name at least one task (or give a task file)")
         if any(length < 1 for length in self.lengths):
@@ -59,6 +62,7 @@ class RunConfig:
 
 def resolve_tasks(config: RunConfig) -> list[Task]:
     tasks = [get_task(name) for name in config.tasks]
+    tasks = [dataclasses.replace(t, template=config.template) if hasattr(t, "template") else t for t in tasks]
     if config.haystack is not None:
         tasks = [dataclasses.replace(t, corpus=config.haystack) if hasattr(t, "corpus") else t for t in tasks]
     return tasks + [load_jsonl_task(path) for path in config.task_files]

@@ -2,7 +2,8 @@
 
 Ten words appear `freq_common` times each (30, fewer for short lengths), the rest `freq_uncommon`
 times (3), shuffled. A tail of made-up words that appear once fills the list to the exact token
-length without changing the answer.
+length without changing the answer. The head, question and list layout are the task's `template`
+(templates.py: "k3ray", one item a line, or RULER's own "ruler", "1. apple 2. pear").
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from k3ray.evals import haystack as hs
 from k3ray.evals import words
 from k3ray.evals.target import Prompt
 from k3ray.evals.tasks.base import Cell, Layout, TextTask, counted_core_min_budget, fit_counted_core, question_in
+from k3ray.evals.tasks.templates import CWE_ITEM_SEPARATOR, DEFAULT_TEMPLATE, check_template, cwe_wording
 
-_QUESTION = re.compile(r"What are the (\d+) most common words in the list above\?")
-_ITEM = re.compile(r"^\d+\. (\S+)$", re.M)
+# k3ray's question, then RULER's
+_QUESTION = re.compile(r"What are the (\d+) most common words in the (?:list above|above list)\?")
+_ITEM = re.compile(r"(?:^|\s)\d+\. ([^\s\d]\S*)(?=\s|$)")
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,11 @@ class CommonWords(TextTask):
     freq_common: int = 30
     freq_uncommon: int = 3
     max_tokens: int = 120
+    template: str = DEFAULT_TEMPLATE
     uses_depth = False
+
+    def __post_init__(self) -> None:
+        cwe_wording(self.template, self.num_common)  # a ValueError names a wrong template or count
 
     @property
     def min_items(self) -> int:
@@ -48,16 +55,12 @@ class CommonWords(TextTask):
         return common, listed
 
     def _head_tail(self) -> tuple[str, str]:
-        head = "Below is a numbered list of words. Some words appear more often than others: remember which.\n"
-        tail = (
-            f"\nQuestion: What are the {self.num_common} most common words in the list above?"
-            f" Answer: The {self.num_common} most common words in the list above are:"
-        )
-        return head, tail
+        wording = cwe_wording(self.template, self.num_common)
+        return wording.head, wording.tail
 
-    @staticmethod
-    def _tokens_per_item(count: Callable[[str], int]) -> float:
-        sample = "".join(f"\n{1000 + i}. {w}" for i, w in enumerate(words.distinct_words(random.Random(0), 64)))
+    def _tokens_per_item(self, count: Callable[[str], int]) -> float:
+        sep = CWE_ITEM_SEPARATOR[self.template]
+        sample = "".join(f"{sep}{1000 + i}. {w}" for i, w in enumerate(words.distinct_words(random.Random(0), 64)))
         return count(sample) / 64
 
     def min_prompt_tokens(self, count: Callable[[str], int]) -> int:
@@ -65,23 +68,25 @@ class CommonWords(TextTask):
 
     def layout(self, rng: random.Random, cell: Cell, count: Callable[[str], int], budget: int) -> Layout:
         head, tail = self._head_tail()
+        sep = CWE_ITEM_SEPARATOR[self.template]
         core_seed, tail_seed = rng.getrandbits(64), rng.getrandbits(64)
 
         def build(num_items: int) -> tuple[tuple[list[str], list[str]], str]:
             common, listed = self._core(random.Random(core_seed), num_items, cell.length)
-            return (common, listed), head.rstrip("\n") + "".join(f"\n{i}. {w}" for i, w in enumerate(listed, 1))
+            items = sep.join(f"{i}. {w}" for i, w in enumerate(listed, 1))
+            return (common, listed), head.rstrip("\n") + "\n" + items
 
         (common, listed), core = fit_counted_core(build, count, head, tail, self._tokens_per_item(count), budget,
                                                   "a common-words list")
-        filler = hs.StreamedText(_once_only_items(random.Random(tail_seed), len(listed) + 1))
+        filler = hs.StreamedText(_once_only_items(random.Random(tail_seed), len(listed) + 1, sep))
         return Layout.filled(core, filler, tail, tuple(common))
 
 
-def _once_only_items(rng: random.Random, start: int) -> Iterator[str]:
+def _once_only_items(rng: random.Random, start: int, sep: str) -> Iterator[str]:
     index = start
     while True:
         # four syllables: never one of the listed (real or three-syllable) words
-        yield f"\n{index}. {words.made_up_word(rng, 4)}"
+        yield f"{sep}{index}. {words.made_up_word(rng, 4)}"
         index += 1
 
 

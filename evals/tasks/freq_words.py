@@ -1,7 +1,8 @@
 """RULER-style frequent-words extraction (fwe): the three most frequent coded words in a text.
 
 Coded words (random lowercase strings) appear with Zipf counts (rank r about r^-alpha), shuffled;
-a tail of dots, which the prompt says to ignore, fills the text to the exact token length.
+a tail of dots, which the prompt says to ignore, fills the text to the exact token length. The head
+and question are the task's `template` (templates.py: "k3ray", or RULER's own "ruler").
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from k3ray.evals import haystack as hs
 from k3ray.evals import words
 from k3ray.evals.target import Prompt
 from k3ray.evals.tasks.base import Cell, Layout, TextTask, fit_counted_core, question_in
+from k3ray.evals.tasks.templates import DEFAULT_TEMPLATE, FWE_HEADS, fwe_wording
 
-_QUESTION = re.compile(r"What are the (\d+) most frequent coded words in the text above\?")
+# k3ray's question, then RULER's (which says "three")
+_QUESTION = re.compile(r"What are the (\d+|three) most (?:frequent coded words in the text above|frequently "
+                       r"appeared words in the above coded text)\?")
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,11 @@ class FrequentWords(TextTask):
     alpha: float = 2.0
     num_answers: int = 3
     max_tokens: int = 50
+    template: str = DEFAULT_TEMPLATE
     uses_depth = False
+
+    def __post_init__(self) -> None:
+        fwe_wording(self.template, self.num_answers)  # a ValueError names a wrong template or count
 
     def _core(self, rng: random.Random, num_words: int, length: int) -> tuple[list[str], list[str]]:
         harmonic = sum(r**-self.alpha for r in range(1, 10_000))
@@ -41,11 +49,8 @@ class FrequentWords(TextTask):
         return vocab[: self.num_answers], text
 
     def layout(self, rng: random.Random, cell: Cell, count: Callable[[str], int], budget: int) -> Layout:
-        head = "Read the coded text below and keep count of how often each coded word occurs. Ignore the dots.\n"
-        tail = (
-            f"\nQuestion: What are the {self.num_answers} most frequent coded words in the text above?"
-            f" Do not explain. Answer: The {self.num_answers} most frequent coded words in the text above are:"
-        )
+        wording = fwe_wording(self.template, self.num_answers)
+        head, tail = wording.head, wording.tail
         per_word = count(" ".join(words.coded_words(random.Random(0), 64))) / 64
         core_seed = rng.getrandbits(64)
 
@@ -62,9 +67,11 @@ def read(prompt: Prompt) -> str | None:
     question = question_in(prompt, _QUESTION)
     if question is None:
         return None
-    body = prompt[prompt.index("\n") + 1 : question.start()]
+    start = max((prompt.find(head) + len(head) for head in FWE_HEADS if head in prompt), default=0)
+    body = prompt[start : prompt.rindex("\nQuestion:", 0, question.start())]  # RULER's asks to ignore "the dots"
     counts = Counter(w for w in body.split() if w.isalpha() and w.islower())
-    return ", ".join(word for word, _ in counts.most_common(int(question.group(1))))
+    wanted = 3 if question.group(1) == "three" else int(question.group(1))
+    return ", ".join(word for word, _ in counts.most_common(wanted))
 
 
 TASKS = (FrequentWords(),)

@@ -2,7 +2,9 @@
 
 A needle reads "One of the special magic numbers for brave-lantern is: 4812093." The queried
 needle sits at the cell's depth (the sentence boundary at or before it); other needles (more
-values, more queried keys, distractor keys) sit at seeded random depths.
+values, more queried keys, distractor keys) sit at seeded random depths. The head and question
+are the task's `template` (templates.py: "k3ray" or RULER's own "ruler", with its singular form
+for one asked value).
 """
 
 from __future__ import annotations
@@ -16,27 +18,25 @@ from k3ray.evals import haystack as hs
 from k3ray.evals import words
 from k3ray.evals.target import Prompt
 from k3ray.evals.tasks.base import Cell, Layout, TextTask, pick_depth
+from k3ray.evals.tasks.templates import DEFAULT_TEMPLATE, NEEDLE_TEMPLATES, NeedleTemplate, needle_template
 
 HAYSTACKS = ("essay", "noise", "needles")
 KINDS = ("words", "numbers", "uuids")
-_QUESTION = re.compile(r"What are all the special magic (\w+) for (.+?) mentioned in the text above\?")
+# every named template's question: k3ray's, RULER's plural and RULER's singular ("What is the special magic number")
+_QUESTION = re.compile(r"What (?:are all|is) the special magic (\w+?)s? for (.+?) mentioned in the "
+                       r"(?:text above|provided text)\?")
 
 
 def needle(noun: str, key: str, value: str) -> str:
-    return f"One of the special magic {noun} for {key} is: {value}."
+    return NEEDLE_TEMPLATES[DEFAULT_TEMPLATE].needle.format(noun=noun, key=key, value=value)
 
 
-QUESTION_START = "\nWhat are all the special magic "
+QUESTION_START = "\nWhat are all the special magic "  # the k3ray template's question
 
 
 def question(noun: str, query: str) -> str:
-    """The prompt's tail: the question, then the start of the answer the model completes."""
-    return (f"{QUESTION_START}{noun} for {query} mentioned in the text above?"
-            f" The special magic {noun} for {query} mentioned in the text above are")
-
-
-def join_keys(keys: list[str]) -> str:
-    return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + " and " + keys[-1]
+    """The k3ray template's tail: the question, then the start of the answer the model completes."""
+    return NEEDLE_TEMPLATES[DEFAULT_TEMPLATE].plural.format(noun=noun, query=query).tail
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,10 @@ class NeedleTask(TextTask):
     num_queries: int = 1
     max_tokens: int = 128
     corpus: str | None = None
+    template: str | NeedleTemplate = DEFAULT_TEMPLATE
 
     def __post_init__(self) -> None:
+        needle_template(self.template)  # a ValueError names the known templates
         if self.haystack not in HAYSTACKS:
             raise ValueError(f"haystack must be one of {HAYSTACKS}, got {self.haystack!r}")
         if self.keys not in ("words", "uuids") or self.values not in ("numbers", "uuids"):
@@ -72,9 +74,10 @@ class NeedleTask(TextTask):
         if self.haystack == "noise":
             return hs.noise_haystack()
         stream_rng = random.Random(rng.getrandbits(64))
+        form = needle_template(self.template).needle
         return hs.generated_haystack(
-            lambda: needle(self.values, self._draw(stream_rng, self.keys, 1, taken)[0],
-                           self._draw(stream_rng, self.values, 1)[0]) + " "
+            lambda: form.format(noun=self.values, key=self._draw(stream_rng, self.keys, 1, taken)[0],
+                                value=self._draw(stream_rng, self.values, 1)[0]) + " "
         )
 
     def layout(self, rng: random.Random, cell: Cell, count: Callable[[str], int], budget: int) -> Layout:
@@ -82,19 +85,17 @@ class NeedleTask(TextTask):
         keys = self._draw(rng, self.keys, self.num_keys)
         values = self._draw(rng, self.values, self.num_keys * self.num_values)
         queried = keys[: self.num_queries]
+        template = needle_template(self.template)
         needles = []
         for k, key in enumerate(keys):
             for v in range(self.num_values):
                 fraction = depth / 100 if (k, v) == (0, 0) else rng.random()
-                needles.append((fraction, needle(self.values, key, values[k * self.num_values + v])))
+                value = values[k * self.num_values + v]
+                needles.append((fraction, template.needle.format(noun=self.values, key=key, value=value)))
         answers = tuple(values[: self.num_queries * self.num_values])
         haystack = self._haystack(rng, frozenset(keys))
-        query = join_keys(queried)
-        head = (
-            f"Some special magic {self.values} are hidden inside the following text. "
-            f"Remember them: you will be asked about them afterwards.\n"
-        )
-        return Layout.inserted(head, haystack, needles, question(self.values, query), answers, depth)
+        wording = template.wording(self.values, queried, len(answers))
+        return Layout.inserted(wording.head, haystack, needles, wording.tail, answers, depth)
 
 
 def read(prompt: Prompt) -> str | None:
@@ -106,8 +107,8 @@ def read(prompt: Prompt) -> str | None:
         return None
     noun, query = questions[-1]
     found = []
-    for key in re.split(r", | and ", query):
-        found += re.findall(rf"One of the special magic {noun} for {re.escape(key)} is: ([\w-]+)\.", prompt)
+    for key in re.split(r",? and |, ", query):
+        found += re.findall(rf"One of the special magic {noun}s for {re.escape(key)} is: ([\w-]+)\.", prompt)
     return ", ".join(found)
 
 

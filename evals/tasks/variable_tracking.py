@@ -2,7 +2,8 @@
 
 "VAR QMZTA = 52071." then "VAR HRBDE = VAR QMZTA." and so on; the answer is every variable that
 ends up holding the value. The chain starts at the cell's depth and continues, in order, at
-seeded random depths after it; extra chains (other values) are distractors.
+seeded random depths after it; extra chains (other values) are distractors. The head and question
+are the task's `template` (templates.py: "k3ray", or RULER's own "ruler").
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from k3ray.evals import haystack as hs
 from k3ray.evals import words
 from k3ray.evals.target import Prompt
 from k3ray.evals.tasks.base import Cell, Layout, TextTask, pick_depth, question_in
+from k3ray.evals.tasks.templates import DEFAULT_TEMPLATE, check_template, vt_wording
 
-_QUESTION = re.compile(r"Which variables are assigned the value (\d+) in the text above\?")
+# k3ray's question, then RULER's
+_QUESTION = re.compile(r"(?:Which variables are|Find all variables that are) assigned the value (\d+) in the text above[?.]")
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,10 @@ class VariableTracking(TextTask):
     num_chains: int = 1
     num_hops: int = 4
     max_tokens: int = 30
+    template: str = DEFAULT_TEMPLATE
 
     def __post_init__(self) -> None:
+        check_template(self.template)
         if self.num_chains < 1 or self.num_hops < 1:
             raise ValueError(f"num_chains and num_hops must be >= 1, got {self.num_chains}, {self.num_hops}")
 
@@ -44,12 +49,8 @@ class VariableTracking(TextTask):
             for hop in range(self.num_hops):
                 statements.append((fractions[hop + 1], f"VAR {chain[hop + 1]} = VAR {chain[hop]}."))
         answers = tuple(names[: self.num_hops + 1])
-        head = "Track the chains of variable assignments hidden in the following text.\n\n"
-        tail = (
-            f"\nQuestion: Which variables are assigned the value {values[0]} in the text above?"
-            f" Answer: The variables assigned the value {values[0]} in the text above are:"
-        )
-        return Layout.inserted(head, hs.noise_haystack(), statements, tail, answers, depth)
+        wording = vt_wording(self.template, values[0], self.num_hops + 1)
+        return Layout.inserted(wording.head, hs.noise_haystack(), statements, wording.tail, answers, depth)
 
 
 def read(prompt: Prompt) -> str | None:

@@ -714,6 +714,17 @@ def test_init_from_names_what_it_cannot_load(tmp_path):
     initial_weights(trainable_model(CONFIGS["tiny"](), seed=1), str(out / STATE_FILE))
 
 
+def test_init_from_the_shipped_name_in_the_training_folder(monkeypatch):
+    """training/k3-tiny-niah (the shipped checkpoint's log folder) is not the checkpoint the name means."""
+    want = trainable_model(CONFIGS["niah"](), seed=0)
+    initial_weights(want, "k3-tiny-niah")
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2] / "training")
+    model = trainable_model(CONFIGS["niah"](), seed=1)
+    initial_weights(model, "k3-tiny-niah")
+    for name, tensor in want.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor)
+
+
 def test_carried_kda_states_continue_a_sequence_and_padding_writes_none():
     config = CONFIGS["tiny"]()
     model = trainable_model(config, seed=5).eval()
