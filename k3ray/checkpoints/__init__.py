@@ -29,9 +29,10 @@ def shipped_checkpoint_dir(name: str) -> str:
 
 
 def resolve_shipped(model: str | os.PathLike) -> str:
-    """The directory to load: a shipped name that is not an existing path -> its packaged directory;
-    anything else as given."""
+    """The directory to load: a shipped name that is not a checkpoint here (no such path, or a folder
+    without a config.json, as training/k3-tiny-niah holds its log) -> its packaged directory; anything
+    else as given."""
     path = os.fspath(model)
-    if path in SHIPPED and not os.path.exists(path):
+    if path in SHIPPED and not os.path.exists(os.path.join(path, "config.json")):
         return shipped_checkpoint_dir(path)
     return path
