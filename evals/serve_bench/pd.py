@@ -170,7 +170,9 @@ def handoff_figures(before: dict, after: dict, long_prompts: list[BenchRequest],
                            "else ran meanwhile")
     formula = handoff_formula_bytes(model, dtype, delta["tokens_sent"], delta["handoffs"])
     measured = delta["state_bytes"] + delta["latent_bytes"]
-    return {**delta, "transport": after.get("transport"), "measured_bytes": measured, "formula_bytes": formula,
+    transports = {name: n - before.get("transports", {}).get(name, 0) for name, n in after["transports"].items()}
+    return {**delta, "transports": {name: n for name, n in transports.items() if n}, "measured_bytes": measured,
+            "formula_bytes": formula,
             "bytes_per_prompt_token": measured / delta["prompt_tokens"],
             "bytes_ratio": measured / formula,
             "ms_per_1k_tokens": 1000 * delta["transfer_s"] / (delta["prompt_tokens"] / 1000)}

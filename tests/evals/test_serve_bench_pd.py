@@ -87,7 +87,7 @@ def test_a_small_run_reports_the_keys_with_equal_outputs(serve_app):
     colocated, disaggregated = result["runs"]["colocated"], result["runs"]["disaggregated"]
     handoff = disaggregated["handoff"]
     assert handoff["handoffs"] == 2 and handoff["tokens_sent"] == handoff["prompt_tokens"] == 2048
-    assert handoff["transport"] == "object-store" and handoff["transfer_s"] > 0
+    assert handoff["transports"] == {"host": handoff["handoffs"]} and handoff["transfer_s"] > 0
     for run in (colocated, disaggregated):
         assert run["failed"] == [] and run["window_gaps"] > 0 and run["streams_cover_window"]
     assert set(colocated["pinned_cores"]) == {"K3Server#0", "K3Server#1"}
