@@ -250,9 +250,8 @@ def measure_app(args: argparse.Namespace, app: str, deploy: Callable[[dict], str
     """Deploy one app, warm it, pin it if asked, run the workload: (its summary, the raw results).
     requests_for(/tokenizer_info) -> (the streams, the long prompts)."""
     # lazy: Ray stays out of `k3ray bench --help` (it loads every benchmark)
-    from ray import serve
-
     from k3ray.actors.serve.config import ServeArgs
+    from k3ray.actors.serve.driver_calls import call_deployment
 
     app_args = serve_args(args, app)
     url = deploy(app_args)
@@ -262,10 +261,8 @@ def measure_app(args: argparse.Namespace, app: str, deploy: Callable[[dict], str
     warm = random_requests(1, args.input_len, 4, ordinary_token_range(info), seed=args.seed + 999_999)
     asyncio.run(_warm_up(url, model, warm, args.timeout, args.api_key))
     pinned = pin_replicas(APP, DEPLOYMENTS[app]) if args.pin_cores else None
-    handle = serve.get_deployment_handle("K3Server", APP)
-
     def handoff_stats() -> dict | None:
-        return handle.handoff_stats.remote().result(timeout_s=60)
+        return call_deployment(APP, "K3Server", "handoff_stats")
 
     measured = asyncio.run(workload(url, model, streams, longs, args.timeout, args.api_key, handoff_stats))
     summary = {**summarize(app, measured), "pinned_cores": pinned}

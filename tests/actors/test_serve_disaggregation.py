@@ -12,6 +12,7 @@ import pytest
 from openai import APIConnectionError, APIStatusError, OpenAI
 from ray import serve
 
+from k3ray.actors.serve.driver_calls import call_deployment
 from k3ray.actors.serve.ingress_routing import prompt_ids
 from k3ray.engine.llm import LLM
 from k3ray.sampling_params import SamplingParams, StructuredOutputsParams
@@ -52,7 +53,7 @@ def colocated(tiny_checkpoint):
 
 
 def handoff_stats() -> dict:
-    return serve.get_deployment_handle("K3Server", APP).handoff_stats.remote().result(timeout_s=60)
+    return call_deployment(APP, "K3Server", "handoff_stats")
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -133,13 +134,12 @@ def pd_pipelines(serve_app, tiny_checkpoint, pd_app):
 
 
 def test_pipeline_and_expert_parallel_on_both_sides(pd_pipelines, colocated):
-    stats = serve.get_deployment_handle("K3Server", APP_PP).handoff_stats
-    before = stats.remote().result(timeout_s=60)
+    before = call_deployment(APP_PP, "K3Server", "handoff_stats")
     shared = ids(64, 10)
     for prompt in (ids(40, 11), shared + ids(20, 12), shared + ids(7, 13)):
         out = pd_pipelines.completions.create(model="k3-tiny", prompt=prompt, max_tokens=10, temperature=0)
         assert out.choices[0].text == reference(colocated, prompt, max_tokens=10), prompt[:8]
-    after = stats.remote().result(timeout_s=60)
+    after = call_deployment(APP_PP, "K3Server", "handoff_stats")
     assert after["handoffs"] - before["handoffs"] == 3
     assert after["transports"]["stage-direct"] - before["transports"].get("stage-direct", 0) == 3
     sent, prompts = (after[k] - before[k] for k in ("tokens_sent", "prompt_tokens"))

@@ -28,6 +28,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from k3ray.actors.serve import load_signals as sig  # noqa: E402
+from k3ray.actors.serve.driver_calls import call_deployment  # noqa: E402
 from k3ray.evals.serve_bench.chaos import _processes as ray_processes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -185,9 +186,8 @@ def decode_holds_nothing(url: str) -> bool:
 def prefill_holds_nothing(asks: int = 6) -> bool:
     """Every answer of the pool's load reports (the handle spreads them over the replicas): no
     sequence, no prompt token waiting, no block or state slot held by a live sequence."""
-    handle = serve.get_deployment_handle("K3Prefill", APP)
     for _ in range(asks):
-        load = handle.record_autoscaling_stats.remote().result(timeout_s=60)
+        load = call_deployment(APP, "K3Prefill", "record_autoscaling_stats")
         keys = (sig.RUNNING, sig.WAITING, sig.QUEUED_TOKENS, sig.MLA_BLOCK_USAGE, sig.KDA_SLOT_USAGE)
         if any(load[k] for k in keys):
             return False
@@ -200,7 +200,7 @@ def assert_nothing_held(url: str) -> None:
 
 
 def handoff_stats() -> dict:
-    return serve.get_deployment_handle("K3Server", APP).handoff_stats.remote().result(timeout_s=60)
+    return call_deployment(APP, "K3Server", "handoff_stats")
 
 
 # the failures -----------------------------------------------------------------------------------
