@@ -338,15 +338,15 @@ class LLMEngine:
         # request sees (the caller's work between steps included); idle time is never counted
         self._stepped_at = time.monotonic()
         started = self._stepped_at if self._busy_since is None else self._busy_since
-        imported = self._import_handoffs()
+        touched = self._import_handoffs()  # the requests whose outputs this step sends, from the imports on
         out = self.scheduler.schedule()
         if not out.seqs:
             # the oldest running sequence can always preempt the rest, so work means progress
             assert not self.scheduler.has_work(), "the scheduler made no progress"
-            if self._awaiting_grammar and not imported:  # only grammars to wait for: wait a moment, not spin
+            if self._awaiting_grammar and not touched:  # only grammars to wait for: wait a moment, not spin
                 self.grammars.wait(GRAMMAR_WAIT_S)
             self._busy_since = None  # nothing to compute: waiting here is idle time for the rates
-            return self._outputs_of(imported)
+            return self._outputs_of(touched)
         try:
             self._encode_media(out)
             self._propose(out)
@@ -361,8 +361,8 @@ class LLMEngine:
         self.stats.num_steps += 1
         for sc in out.seqs:
             if sc.num_new_tokens or sc.seq.finished:
-                imported[sc.seq.request.request_id] = sc.seq.request
-        outputs = self._outputs_of(imported)
+                touched[sc.seq.request.request_id] = sc.seq.request
+        outputs = self._outputs_of(touched)
         ended = time.monotonic()
         self._observe_rates(out, ended - started)
         self._busy_since = ended if self.requests else None
