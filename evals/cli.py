@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--template", choices=TEMPLATES, default=DEFAULT_TEMPLATE,
                        help="the text tasks' prompt wording: k3ray's own, or RULER's templates and answer prefixes "
                             f"(default: {DEFAULT_TEMPLATE})")
+        p.add_argument("--chat", action="store_true",
+                       help="send each text prompt as one user message to /v1/chat/completions (as an OpenAI client's "
+                            "chat call does), the chat template's tokens counted within --lengths")
         p.add_argument("--reserve-generation", action="store_true",
                        help="a length counts the generated tokens too (RULER's convention), so 1m fits a 1m context")
         p.add_argument("--executor", choices=EXECUTORS, default="auto",
@@ -240,6 +243,7 @@ def main(args: argparse.Namespace) -> int:
         task_files=tuple(args.task_file),
         executor="threads" if args.model is not None else args.executor,  # the engine lives here
         template=args.template,
+        chat=args.chat,
     )
     try:
         summary = run_eval(config, _target(args), args.out, resume=args.resume, progress=not args.no_progress)

@@ -17,6 +17,7 @@ import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from k3ray.engine.llm import LLM
 from k3ray.engine.llm_engine import LLMEngine
@@ -78,6 +79,10 @@ class EngineTarget:
                     raise ValueError(f"messages[{i}] has a {part['type']} part: EngineTarget runs text models only")
             messages.append(message)
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True, continue_final_message=False)
+
+    def count_chat_tokens(self, messages: list[dict[str, Any]]) -> int:
+        """The chat prompt's tokens as /v1/chat/completions encodes it (text messages only)."""
+        return len(self.prompt_ids(messages))
 
     def complete(self, prompt: Prompt, max_tokens: int) -> str:
         """The greedy completion of `prompt`, at most `max_tokens` tokens (EOS and stop tokens end it)."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from k3ray.evals.target import Prompt
+from k3ray.evals.target import Prompt, chat_text
 from k3ray.evals.tasks import READERS
 from k3ray.tokenizer import ByteTokenizer
 
@@ -62,9 +63,16 @@ class OracleTarget:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
+    def count_chat_tokens(self, messages: list[dict[str, Any]]) -> int | None:
+        """A text chat's tokens through the tokenizer's chat template; None for media (not counted here)."""
+        if chat_text(messages) is None:
+            return None
+        return len(self.tokenizer.encode_chat(messages, add_generation_prompt=True))
+
     def read(self, prompt: Prompt) -> str:
+        text = chat_text(prompt)  # a text task's prompt sent as chat reads as its text
         for reader in self.readers:
-            answer = reader(prompt)
+            answer = reader(prompt if text is None else text)
             if answer is not None:
                 return answer
         raise ValueError("no task reader recognises this prompt")

@@ -19,14 +19,15 @@ def prompt_digest(prompt: Prompt) -> str:
 
 
 def evaluate_cell(
-    task: Task, target: Target, cell: Cell, seed: int, reserve_generation: bool = False
+    task: Task, target: Target, cell: Cell, seed: int, reserve_generation: bool = False, chat: bool = False
 ) -> dict[str, Any]:
-    """Build, ask, score one cell. A failure becomes a record with `error` set, retried on resume."""
+    """Build, ask, score one cell (`chat`: a text prompt as a user message). A failure becomes a
+    record with `error` set, retried on resume."""
     record: dict[str, Any] = {"key": cell.key, "task": cell.task, "length": cell.length, "depth": cell.depth,
                               "sample": cell.sample}
     start = time.perf_counter()
     try:
-        item = task.build(cell, target, seed, reserve_generation)
+        item = task.build(cell, target, seed, reserve_generation, chat)
         prediction = target.complete(item.prompt, item.max_tokens)
         record |= {
             "needle_depth": item.needle_depth,

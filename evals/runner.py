@@ -29,7 +29,7 @@ from k3ray.evals.tasks.templates import DEFAULT_TEMPLATE, check_template
 
 EXECUTORS = ("auto", "threads", "ray")
 # settings that change what a cell generates: a resumed run must keep them
-_RESUME_KEYS = ("seed", "target", "haystack", "reserve_generation", "template")
+_RESUME_KEYS = ("seed", "target", "haystack", "reserve_generation", "template", "chat")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class RunConfig:
     task_files: tuple[str, ...] = ()
     executor: str = "auto"
     template: str = DEFAULT_TEMPLATE  # the text tasks' prompt wording (templates.py): "k3ray" or RULER's "ruler"
+    chat: bool = False  # text prompts go as one user message to the chat route, the template's tokens within length
 
     def __post_init__(self) -> None:
         check_template(self.template)
@@ -106,7 +107,7 @@ def _use_ray(executor: str) -> bool:
 def _on_threads(jobs, target: Target, config: RunConfig, progress: TokenProgress) -> Iterator[dict[str, Any]]:
     def run(task: Task, cell: Cell) -> dict[str, Any]:
         progress.started(cell.key)
-        return evaluate_cell(task, target, cell, config.seed, config.reserve_generation)
+        return evaluate_cell(task, target, cell, config.seed, config.reserve_generation, config.chat)
 
     with ThreadPoolExecutor(max_workers=config.concurrency) as pool:
         futures = [pool.submit(run, t, c) for t, c in jobs]
@@ -114,8 +115,8 @@ def _on_threads(jobs, target: Target, config: RunConfig, progress: TokenProgress
             yield future.result()
 
 
-def _evaluate_shard(shard, target: Target, seed: int, reserve_generation: bool) -> list[dict[str, Any]]:
-    return [evaluate_cell(t, target, c, seed, reserve_generation) for t, c in shard]
+def _evaluate_shard(shard, target: Target, seed: int, reserve_generation: bool, chat: bool) -> list[dict[str, Any]]:
+    return [evaluate_cell(t, target, c, seed, reserve_generation, chat) for t, c in shard]
 
 
 def _on_ray(jobs, target: Target, config: RunConfig, progress: TokenProgress) -> Iterator[dict[str, Any]]:
@@ -138,7 +139,7 @@ def _on_ray(jobs, target: Target, config: RunConfig, progress: TokenProgress) ->
             shard = shards.pop(0)
             for _, cell in shard:
                 progress.started(cell.key)
-            in_flight.append(remote.remote(shard, target_ref, config.seed, config.reserve_generation))
+            in_flight.append(remote.remote(shard, target_ref, config.seed, config.reserve_generation, config.chat))
         done, in_flight = ray.wait(in_flight, num_returns=1)
         yield from ray.get(done[0])
 

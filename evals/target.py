@@ -46,3 +46,27 @@ def count_chat_tokens(target: Target, messages: list[dict[str, Any]]) -> int | N
     """Tokens the model sees for a chat prompt (media included) when `target` can tell, else None."""
     counter = getattr(target, "count_chat_tokens", None)
     return None if counter is None else counter(messages)
+
+
+def as_user_message(text: str) -> list[dict[str, Any]]:
+    """A text prompt as a chat: one user message, as an OpenAI client's chat call sends it."""
+    return [{"role": "user", "content": text}]
+
+
+def chat_overhead(target: Target) -> int:
+    """Tokens a chat adds around one user message's text (the template's markers and generation
+    prompt, less what a completion adds), as `target` counts them: a chat item's text gets that many
+    fewer, so the model sees the cell's length."""
+    probe = "x"
+    chat = count_chat_tokens(target, as_user_message(probe))
+    if chat is None:
+        raise ValueError(f"{target.name} cannot count chat prompts' tokens, which chat items need "
+                         "(an endpoint: POST /tokenize with messages)")
+    return chat - count_tokens(target, probe)
+
+
+def chat_text(prompt: Prompt) -> str | None:
+    """The text of a chat whose messages are all plain text, joined; None for text or media prompts."""
+    if isinstance(prompt, str) or not all(isinstance(m.get("content"), str) for m in prompt):
+        return None
+    return "\n".join(m["content"] for m in prompt)

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from k3ray.evals import haystack as hs
 from k3ray.evals.fit import fit_to_length
-from k3ray.evals.target import Prompt, Target, count_tokens
+from k3ray.evals.target import Prompt, Target, as_user_message, chat_overhead, count_chat_tokens, count_tokens
 
 # RULER draws a needle depth from 40 evenly spaced percentages when none is given
 RANDOM_DEPTHS = tuple(round(100 * i / 39, 2) for i in range(40))
@@ -106,7 +106,9 @@ class Task(ABC):
         return [Cell(self.name, length, depth, s) for length in lengths for depth in depth_axis for s in range(samples)]
 
     @abstractmethod
-    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False) -> Item: ...
+    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False,
+              chat: bool = False) -> Item:
+        """The cell's item; `chat`: a text prompt goes as one user message (media prompts are chats)."""
 
 
 @dataclass(frozen=True)
@@ -135,11 +137,20 @@ class TextTask(Task):
     @abstractmethod
     def layout(self, rng: random.Random, cell: Cell, count: Callable[[str], int], budget: int) -> Layout: ...
 
-    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False) -> Item:
-        budget = cell.length - (self.max_tokens if reserve_generation else 0)
+    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False,
+              chat: bool = False) -> Item:
+        """`chat`: the same text (same seed, same needles) as one user message, `length` tokens with the
+        chat template's, so it holds that many fewer of its own."""
+        template = chat_overhead(target) if chat else 0
+        budget = cell.length - (self.max_tokens if reserve_generation else 0) - template
         if budget < 1:
-            raise ValueError(f"length {cell.length} leaves no prompt room after {self.max_tokens} generated tokens")
+            raise ValueError(f"length {cell.length} leaves no prompt room after {self.max_tokens} generated tokens"
+                             + (f" and {template} of the chat template" if chat else ""))
         count = functools.partial(count_tokens, target)
         layout = self.layout(cell_rng(seed, cell), cell, count, budget)
         prompt, _ = fit_to_length(layout.render, count, budget)
-        return Item(prompt, layout.answers, self.metric, self.max_tokens, budget, layout.depth)
+        if not chat:
+            return Item(prompt, layout.answers, self.metric, self.max_tokens, budget, layout.depth)
+        messages = as_user_message(prompt)
+        return Item(messages, layout.answers, self.metric, self.max_tokens, count_chat_tokens(target, messages),
+                    layout.depth)

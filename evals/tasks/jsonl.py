@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from k3ray.evals.scoring import METRICS
-from k3ray.evals.target import Target, count_tokens
+from k3ray.evals.target import Target, as_user_message, count_chat_tokens, count_tokens
 from k3ray.evals.tasks.base import Cell, Item, Task
 
 
@@ -36,14 +36,19 @@ class JsonlTask(Task):
         """One cell per row; the run's lengths, depths and samples do not apply."""
         return [Cell(self.name, int(row.get("length") or 0), row.get("depth"), i) for i, row in enumerate(self.rows)]
 
-    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False) -> Item:
+    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False,
+              chat: bool = False) -> Item:
+        """`chat`: a text input, answer prefix included, goes as one user message (as RULER's files do
+        through a chat API)."""
         row = self.rows[cell.sample]
         prompt = row.get("input", row.get("prompt"))
         if isinstance(prompt, str):
             prompt += row.get("answer_prefix") or ""
+            if chat:
+                prompt = as_user_message(prompt)
         answers = row.get("outputs", row.get("answers"))
         metric = row.get("metric") or "all"
-        tokens = count_tokens(target, prompt) if isinstance(prompt, str) else None
+        tokens = count_tokens(target, prompt) if isinstance(prompt, str) else count_chat_tokens(target, prompt)
         return Item(prompt, tuple(answers), metric, int(row.get("max_tokens") or self.max_tokens), tokens, cell.depth)
 
 

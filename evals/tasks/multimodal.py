@@ -41,7 +41,8 @@ class ImageNeedle(Task):
     max_tokens: int = 16
     unit = "images"
 
-    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False) -> Item:
+    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False,
+              chat: bool = False) -> Item:
         rng = cell_rng(seed, cell)
         code, index, depth = _code_and_index(rng, cell)
         pictures = [images.scene(rng) for _ in range(cell.length)]
@@ -68,7 +69,8 @@ class VideoNeedle(Task):
         if self.video_format not in VIDEO_FORMATS:
             raise ValueError(f"video_format must be one of {VIDEO_FORMATS}, got {self.video_format!r}")
 
-    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False) -> Item:
+    def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False,
+              chat: bool = False) -> Item:
         rng = cell_rng(seed, cell)
         code, index, depth = _code_and_index(rng, cell)
         frames = images.moving_frames(rng, cell.length)

@@ -84,20 +84,41 @@ def test_progress_against_the_endpoint_follows_the_servers_token_counters(server
     assert updates[0] == (0, total, 0) and updates[-1] == (total, total, 1)
 
 
-def test_engine_target_gives_the_endpoints_records(endpoint_run, tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def local_target(tiny_checkpoint) -> EngineTarget:
+    """The replica's engine, built in this process with the served settings."""
     from k3ray.actors.serve.config import ServeArgs
     from k3ray.actors.serve.engine import build_engine
 
-    _, out = endpoint_run
     engine, _ = build_engine(ServeArgs.model_validate(serve_args(tiny_checkpoint)).resolved())
+    return EngineTarget(engine)
+
+
+def test_engine_target_gives_the_endpoints_records(endpoint_run, local_target, tmp_path):
+    _, out = endpoint_run
     config = RunConfig(tasks=("niah",), lengths=LENGTHS, depths=DEPTHS, concurrency=6, executor="threads")
-    summary = run_eval(config, EngineTarget(engine), tmp_path, progress=False)
+    summary = run_eval(config, local_target, tmp_path, progress=False)
     assert summary["errors"] == 0
     served, local = records(out), records(tmp_path)
     assert served.keys() == local.keys()
     for key in served:
         # greedy fp32 on the same engine settings: token for token the same answer
         assert {f: local[key][f] for f in RECORD_FIELDS} == {f: served[key][f] for f in RECORD_FIELDS}, key
+
+
+def test_chat_items_through_the_endpoint_are_the_cell_s_length_and_answer_as_the_engine(server, local_target,
+                                                                                       tmp_path):
+    """`--chat`: the server's chat template (/tokenize with messages) makes each prompt the cell's
+    length, and /v1/chat/completions answers as the engine given the same chat ids."""
+    config = RunConfig(tasks=("niah", "vt"), lengths=(768,), depths=(0.0, 100.0), chat=True, template="ruler",
+                       concurrency=4, executor="threads")
+    for target, out in ((OpenAITarget(server, MODEL), tmp_path / "served"), (local_target, tmp_path / "local")):
+        assert run_eval(config, target, out, progress=False)["errors"] == 0
+    served, local = records(tmp_path / "served"), records(tmp_path / "local")
+    assert {r["prompt_tokens"] for r in served.values()} == {768}
+    assert all(r["prediction"] for r in served.values())
+    assert {k: {f: r[f] for f in RECORD_FIELDS} for k, r in served.items()} == \
+        {k: {f: r[f] for f in RECORD_FIELDS} for k, r in local.items()}
 
 
 @pytest.mark.slow
