@@ -5,8 +5,12 @@ cache lacks, the KDA / conv state after the prompt, the first token and the samp
 It orchestrates, as Ray Serve LLM's decode server does:
 
     held = await engine.held_prefix_tokens(prompt)       # whole blocks of the prompt already cached here
-    handoff = await prefill.prefill.remote(prompt, params, media, held, request_id, prefix_hashes=chain)
-    async for out in engine.generate(prompt, params, request_id, media, handoff=handoff): ...
+    parts, handoff = prefill.options(stream=True).prefill.remote(prompt, params, media, held, ...)
+    async for out in engine.generate(prompt, params, request_id, media, handoff=handoff.joined(parts)): ...
+
+Overlap: a prefill replica whose engine reads its caches in its own process (not a Ray pipeline)
+streams the latent rows of each prompt chunk but the last as it is computed, so they cross while the
+later chunks run; only the last chunk's rows, the state and the first token travel after it.
 
 The handoff travels through Ray's object store: between pipeline replicas whose stages hold the same
 layers, each prefill stage's part goes straight to the decode stage that holds those layers
@@ -36,7 +40,7 @@ from k3ray.actors.serve.ingress_routing import block_chain
 from k3ray.actors.serve.load_signals import TTFTWindow
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.errors import ModelUnavailableError
-from k3ray.engine.handoff import Handoff, HandoffMismatchError
+from k3ray.engine.handoff import Handoff, HandoffMismatchError, HandoffPart
 from k3ray.engine.outputs import RequestOutput
 from k3ray.sampling_params import SamplingParams
 from k3ray.vision import ProcessedMedia
@@ -57,7 +61,13 @@ class HandoffStats:
         self.state_bytes = 0
         self.latent_bytes = 0
         self.prefill_s = 0.0  # prefill side: arrival to first token
-        self.transfer_s = 0.0  # the prefill replica's answer to the handoff written here
+        self.transfer_s = 0.0  # the prefill side's first token to the handoff written here
+        self.parts = 0  # HandoffParts: latent rows sent while the prompt's later chunks ran
+        self.part_bytes = 0  # their latent bytes (in latent_bytes too)
+
+    def observe_parts(self, parts: list[HandoffPart]) -> None:
+        self.parts += len(parts)
+        self.part_bytes += sum(p.nbytes() for p in parts)
 
     def observe(self, handoff: Handoff, transport: str, transfer_s: float) -> None:
         sizes = handoff.unpack().nbytes()
@@ -154,15 +164,23 @@ class DisaggregatedEngine:
                                     f"failure: {type(failure).__name__}: {failure}")
 
     async def _prefill(self, prompt: list[int], params: SamplingParams, media, held: int, request_id: str) -> Handoff:
-        """One prefill on a replica chosen by prefix affinity over the prompt's block hashes."""
+        """One prefill on a replica chosen by prefix affinity over the prompt's block hashes: its parts
+        as they stream in (while its later chunks run), joined with its final handoff."""
         chain = block_chain(prompt, self.block_size, self.placeholder)
-        response = self.prefill.prefill.remote(prompt, params, list(media) if media else None, held, request_id,
-                                               prefix_hashes=chain)
+        response = self.prefill.options(stream=True).prefill.remote(
+            prompt, params, list(media) if media else None, held, request_id, prefix_hashes=chain)
+        parts, final = [], None
         try:
-            handoff = await response
+            async for item in response:
+                if isinstance(item, HandoffPart):
+                    parts.append(item)
+                else:
+                    final = item
         except BaseException:
             response.cancel()  # the client left (or the call failed): the prefill replica aborts it
             raise
-        if isinstance(handoff, BaseException):  # its engine refused it: the error as that replica saw it
-            raise handoff
-        return handoff
+        if isinstance(final, BaseException):  # its engine refused it: the error as that replica saw it
+            raise final
+        assert isinstance(final, Handoff), f"the prefill of {request_id} ended with {type(final).__name__}"
+        self.stats.observe_parts(parts)
+        return await asyncio.to_thread(final.joined, parts) if parts else final

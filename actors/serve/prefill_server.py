@@ -1,6 +1,7 @@
 """The prefill pool of a disaggregated app: K3Prefill replicas run prompts (chunked, prefix-cache
-aware, the same engine as K3Server) and answer each with its Handoff (k3ray/engine/handoff.py) for
-the decode replica that asked (serve/disaggregation.py). No HTTP: only decode replicas call it,
+aware, the same engine as K3Server) and stream each one's handoff (k3ray/engine/handoff.py: the
+latent rows of each chunk as it is computed, then the rest with the state and first token) to the
+decode replica that asked (serve/disaggregation.py). No HTTP: only decode replicas call it,
 through a deployment handle routed by prefix affinity over the prompt's block hashes. It reports
 its own load (queued prompt tokens, TTFT) to the autoscaler, for the prefill pool's own policy. A
 replica whose engine process died ends itself at the next prefill (the decode side retries that
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -24,7 +26,7 @@ from k3ray.actors.serve.load_signals import LoadSignals
 from k3ray.actors.serve.request_routing import PREFIXES_STAT
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.errors import ModelUnavailableError
-from k3ray.engine.handoff import Handoff
+from k3ray.engine.handoff import Handoff, HandoffPart
 from k3ray.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,25 +42,32 @@ class K3Prefill:
         logger.info("K3Prefill ready: %s", type(self.executor or self.engine).__name__)
 
     async def prefill(self, prompt: list[int], params: SamplingParams, media, export_from: int, request_id: str,
-                      prefix_hashes: list[bytes] | None = None) -> Handoff | ValueError | ModelUnavailableError:
-        """Run the prompt to its first token -> its Handoff of the caches from prompt token `export_from`
-        on, packed for the object store. A request the engine refuses (ValueError) or a model that cannot
-        step (ModelUnavailableError) comes back as that error, so the decode side raises it as such.
-        `prefix_hashes` is the prefix-affinity router's (serve/request_routing.py)."""
+                      prefix_hashes: list[bytes] | None = None
+                      ) -> AsyncIterator[HandoffPart | Handoff | ValueError | ModelUnavailableError]:
+        """Run the prompt to its first token, streaming (a Serve generator): the latent rows of each
+        prompt chunk but the last as a HandoffPart once it is computed (from `export_from` on, where
+        the engine reads them here), then the Handoff of the rest, each packed for the object store.
+        A request the engine refuses (ValueError) or a model that cannot step (ModelUnavailableError)
+        ends the stream as that error, so the decode side raises it as such. `prefix_hashes` is the
+        prefix-affinity router's (serve/request_routing.py)."""
         final = None
         try:
-            only_final = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-            stream = self.engine.generate(prompt, only_final, request_id, media, export_from=export_from)
+            deltas = replace(params, output_kind=RequestOutputKind.DELTA)
+            stream = self.engine.generate(prompt, deltas, request_id, media, export_from=export_from,
+                                          export_parts=True)
             async with aclosing(stream) as outputs:
                 async for out in outputs:
+                    for part in out.handoff_parts:
+                        yield part.pack()
                     final = out
         except (ValueError, ModelUnavailableError) as e:
             self._leave_if_engine_dead()
-            return e
+            yield e
+            return
         assert final is not None and final.handoff is not None, f"request {request_id} ended without a handoff"
         if final.metrics.ttft is not None:
             self.load_signals.observe_ttft(final.metrics.ttft)
-        return final.handoff.pack()
+        yield final.handoff.pack()
 
     def _leave_if_engine_dead(self) -> None:
         """An engine process that died never comes back: end this replica now, so the caller's attempt

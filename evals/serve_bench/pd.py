@@ -16,7 +16,9 @@ apps and each stream's shorter output is a prefix of the other's. The decode rep
 counters (K3Server.handoff_stats) taken around the long prompts (nothing else starts meanwhile) give
 `handoff_bytes_per_token_ratio` = (state + latent bytes) / the formula (per handoff: tokens sent x
 len(mla_layer_ids) x mla_latent_dim x dtype bytes + the KDA/conv state slot) and
-`handoff_ms_per_1k_tokens` = transfer time per 1,000 prompt tokens. --pin-cores pins each replica
+`handoff_ms_per_1k_tokens` = transfer time (the prefill side's first token to the handoff written on
+the decode side) per 1,000 prompt tokens; `handoff_latent_share_sent_during_prefill` = the latent
+bytes that crossed in parts while later chunks ran / all latent bytes. --pin-cores pins each replica
 (its actor and engine processes) to a core of its own, round robin.
 """
 
@@ -164,7 +166,7 @@ def handoff_figures(before: dict, after: dict, long_prompts: list[BenchRequest],
                     dtype: str) -> dict[str, Any]:
     """The long prompts' handoffs: the counters' growth over them, against the formula."""
     delta = {k: after[k] - before[k] for k in ("handoffs", "retries", "prompt_tokens", "tokens_sent", "state_bytes",
-                                               "latent_bytes", "prefill_s", "transfer_s")}
+                                               "latent_bytes", "prefill_s", "transfer_s", "parts", "part_bytes")}
     if delta["handoffs"] != len(long_prompts) or delta["prompt_tokens"] != sum(r.prompt_len for r in long_prompts):
         raise RuntimeError(f"the decode replica counted {delta} over {len(long_prompts)} long prompts: something "
                            "else ran meanwhile")
@@ -175,7 +177,8 @@ def handoff_figures(before: dict, after: dict, long_prompts: list[BenchRequest],
             "formula_bytes": formula,
             "bytes_per_prompt_token": measured / delta["prompt_tokens"],
             "bytes_ratio": measured / formula,
-            "ms_per_1k_tokens": 1000 * delta["transfer_s"] / (delta["prompt_tokens"] / 1000)}
+            "ms_per_1k_tokens": 1000 * delta["transfer_s"] / (delta["prompt_tokens"] / 1000),
+            "early_share": delta["part_bytes"] / delta["latent_bytes"] if delta["latent_bytes"] else None}
 
 
 def outputs_identical(colocated: dict, disaggregated: dict) -> tuple[bool, dict]:
@@ -310,6 +313,7 @@ def compare(args: argparse.Namespace, deploy: Callable[[dict], str], delete: Cal
         "pd_outputs_identical": identical,
         "handoff_bytes_per_token_ratio": handoff.get("bytes_ratio"),
         "handoff_ms_per_1k_tokens": handoff.get("ms_per_1k_tokens"),
+        "handoff_latent_share_sent_during_prefill": handoff.get("early_share"),
         "outputs": detail,
         "runs": runs,
         "workload": {"decode_streams": args.decode_streams, "stream_prompt_tokens": args.input_len,

@@ -39,16 +39,16 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
                        media: Seq[ProcessedMedia] | None = None, *, export_from: int | None = None,
-                       handoff: Handoff | None = None) -> AsyncIterator[RequestOutput]:
+                       export_parts: bool = False, handoff: Handoff | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs (of params.output_kind: cumulative, deltas, or the final one) as tokens arrive, the
         last with finished=True. Raises ValueError before
         the first output if the request cannot run; leaving the iteration early aborts it. `media`:
         see LLMEngine.make_request (it is encoded in the step loop, off the event loop), as are
-        export_from and handoff (prefill/decode disaggregation)."""
+        export_from, export_parts and handoff (prefill/decode disaggregation)."""
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         request = self.engine.make_request(request_id, prompt, params, media=media, export_from=export_from,
-                                           handoff=handoff)
+                                           export_parts=export_parts, handoff=handoff)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._pending.append(request)

@@ -94,10 +94,10 @@ class EngineClient:
     # requests ---------------------------------------------------------------------------------
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
                        media: Seq[ProcessedMedia] | None = None, *, export_from: int | None = None,
-                       handoff: Handoff | None = None) -> AsyncIterator[RequestOutput]:
+                       export_parts: bool = False, handoff: Handoff | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs (of params.output_kind: cumulative, deltas, or the final one) as tokens arrive, the
         last with finished=True. Raises ValueError before the first output if the request cannot
-        run; leaving the iteration early aborts it. export_from / handoff: prefill/decode
+        run; leaving the iteration early aborts it. export_from, export_parts, handoff: prefill/decode
         disaggregation (LLMEngine.make_request)."""
         self._attach()
         if self._error is not None:
@@ -115,7 +115,7 @@ class EngineClient:
         self._streams[request_id] = stream
         transfer = None
         if export_from is not None or handoff is not None:
-            transfer = ("export", export_from) if handoff is None else ("import", handoff)
+            transfer = ("export", export_from, export_parts) if handoff is None else ("import", handoff)
         self._send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt), params,
                     list(media) if media else None, time.monotonic(), transfer))
         combine = merge_deltas if params.output_kind is RequestOutputKind.DELTA else latest

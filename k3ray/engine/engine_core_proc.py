@@ -89,8 +89,10 @@ def serve_engine(engine, conn: Connection) -> None:
                 if message[0] == "add":
                     request_id, prompt, params, media, arrival_time, transfer = message[1:]
                     kw = {}
-                    if transfer is not None:
-                        kw["export_from" if transfer[0] == "export" else "handoff"] = transfer[1]
+                    if transfer is not None and transfer[0] == "export":
+                        kw["export_from"], kw["export_parts"] = transfer[1], transfer[2]
+                    elif transfer is not None:
+                        kw["handoff"] = transfer[1]
                     try:
                         engine.add_request(request_id, prompt, params, arrival_time, media, **kw)
                     except Exception as e:  # noqa: BLE001 - this request fails (ValueError: a bad one), the rest go on

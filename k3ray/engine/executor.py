@@ -46,6 +46,8 @@ class Executor(ABC):
     def propose(self, plan: DraftPlan) -> torch.Tensor:
         """Greedy drafts from the draft model -> int64 CPU [N, plan.num_drafts]."""
 
+    reads_handoff_here = False  # read_handoff gives CacheRecords in this process (handoff parts can go early)
+
     def read_handoff(self, slot: int, rows: torch.Tensor) -> list[CacheRecord | RemoteCacheRecord]:
         """Prefill/decode disaggregation: one sequence's caches — the state in `slot` and the latent
         rows `rows` [n] — of each model (target, then draft), on the CPU or left where they are."""
@@ -75,6 +77,8 @@ class Executor(ABC):
 
 
 class LocalExecutor(Executor):
+    reads_handoff_here = True
+
     def __init__(self, model: K3ForCausalLM, draft_model: K3ForCausalLM | None = None) -> None:
         if not (model.is_first and model.is_last):
             raise ValueError(f"LocalExecutor needs a whole model; got layer_range {model.layer_range}")

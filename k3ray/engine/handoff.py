@@ -13,6 +13,11 @@ replays the first token through its own stop checks, detokenizer, penalties and 
 
 `Handoff.pack()` turns the tensors into one flat byte array (numpy), which Ray's object store
 carries without a copy on read; `Handoff.unpack` reverses it.
+
+Overlap: a prefill request exported with parts (LLMEngine `export_parts`) also sends, after each
+prompt chunk but the last, a HandoffPart of the latent rows that chunk computed, so most rows travel
+while later chunks compute; its final Handoff then carries the rest (from `rows_from`), and
+`Handoff.joined(parts)` makes the whole one the decode engine imports.
 """
 
 from __future__ import annotations
@@ -142,8 +147,8 @@ def latent_rows(block_table: list[int], start: int, end: int, block_size: int) -
 @dataclass
 class Handoff:
     """One request's prefill result. `start`: prompt tokens the receiver already holds (whole blocks),
-    so `records[i].mla_latent` rows cover [start, len(prompt_token_ids)); records: the target model's,
-    then a draft model's."""
+    so `records[i].mla_latent` rows cover [start, len(prompt_token_ids)) (from `rows_from` when parts
+    sent the rows before: see joined); records: the target model's, then a draft model's."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -155,6 +160,12 @@ class Handoff:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prefill_seconds: float = 0.0  # arrival to first token on the prefill side
     packed: tuple | None = None  # (layout, flat bytes) while in transit: see pack()
+    rows_from: int | None = None  # the records' rows start here when HandoffParts carried [start, rows_from)
+
+    @property
+    def latent_from(self) -> int:
+        """The first prompt position of the records' latent rows."""
+        return self.start if self.rows_from is None else self.rows_from
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -183,29 +194,82 @@ class Handoff:
         of its object store without copying them); records left at their stages stay there."""
         if self.packed is not None or self.transport != "host":
             return self
-        layout, chunks, offset = [], [], 0
-        for i, r in enumerate(self.records):
-            for key, t in r.tensors().items():
-                t = t.contiguous()
-                raw = t.view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
-                layout.append((i, key, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, raw.numel()))
-                pad = -raw.numel() % ALIGN  # every tensor starts aligned, so it views back as its dtype
-                chunks += [raw, torch.zeros(pad, dtype=torch.uint8)]
-                offset += raw.numel() + pad
-        flat = torch.cat(chunks).numpy() if chunks else np.zeros(0, np.uint8)
-        return replace(self, records=[], packed=(len(self.records), layout, flat))
+        return replace(self, records=[], packed=pack_records(self.records))
 
     def unpack(self) -> Handoff:
         """Tensors again: views of the flat array (read-only where Ray's object store holds it)."""
         if self.packed is None:
             return self
-        n, layout, flat = self.packed
-        with warnings.catch_warnings():  # read-only from Ray's object store: only ever read here
-            warnings.simplefilter("ignore", UserWarning)
-            buffer = torch.from_numpy(flat)
-        records = [CacheRecord() for _ in range(n)]
-        for i, key, dtype, shape, offset, size in layout:
-            kind, layer = key.rsplit(".", 1)
-            t = buffer[offset : offset + size].view(getattr(torch, dtype)).view(shape)
-            getattr(records[i], kind)[int(layer)] = t
-        return replace(self, records=records, packed=None)
+        return replace(self, records=unpack_records(self.packed), packed=None)
+
+    def joined(self, parts: list[HandoffPart]) -> Handoff:
+        """This final handoff with the parts sent before it (rows [start, rows_from), in order) as one
+        handoff whose records cover [start, len): what an engine imports."""
+        at = self.start
+        for part in parts:
+            if part.request_id != self.request_id or part.rows_from != at:
+                raise HandoffMismatchError(f"handoff part [{part.rows_from}, {part.rows_to}) of {part.request_id!r} "
+                                           f"does not continue {self.request_id!r} at row {at}")
+            at = part.rows_to
+        if at != self.latent_from:
+            raise HandoffMismatchError(f"the parts of {self.request_id!r} end at row {at}, its final handoff's rows "
+                                       f"start at {self.latent_from}")
+        if not parts:
+            return self
+        final = self.unpack()
+        pieces = [p.unpack().records for p in parts] + [final.records]
+        records = [CacheRecord(r.kda_state, r.conv_state,
+                               {l: torch.cat([piece[i].mla_latent[l] for piece in pieces]) for l in r.mla_latent})
+                   for i, r in enumerate(final.records)]
+        return replace(final, records=records, rows_from=None)
+
+
+@dataclass
+class HandoffPart:
+    """Latent rows [rows_from, rows_to) of an exported prompt, read once a prefill chunk computed them
+    and sent while the later chunks run (only MLA rows: a row never changes once computed, the KDA
+    state does until the last chunk). Records: the target model's, then a draft model's."""
+
+    request_id: str
+    rows_from: int
+    rows_to: int
+    records: list[CacheRecord]
+    packed: tuple | None = None
+
+    def nbytes(self) -> int:
+        return sum(r.nbytes()["mla_latent"] for r in self.unpack().records)
+
+    def pack(self) -> HandoffPart:
+        return self if self.packed is not None else replace(self, records=[], packed=pack_records(self.records))
+
+    def unpack(self) -> HandoffPart:
+        return self if self.packed is None else replace(self, records=unpack_records(self.packed), packed=None)
+
+
+def pack_records(records: list[CacheRecord]) -> tuple:
+    """(count, layout, one flat uint8 numpy array) of the records' tensors, each aligned to ALIGN bytes."""
+    layout, chunks, offset = [], [], 0
+    for i, r in enumerate(records):
+        for key, t in r.tensors().items():
+            t = t.contiguous()
+            raw = t.view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+            layout.append((i, key, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, raw.numel()))
+            pad = -raw.numel() % ALIGN  # every tensor starts aligned, so it views back as its dtype
+            chunks += [raw, torch.zeros(pad, dtype=torch.uint8)]
+            offset += raw.numel() + pad
+    flat = torch.cat(chunks).numpy() if chunks else np.zeros(0, np.uint8)
+    return len(records), layout, flat
+
+
+def unpack_records(packed: tuple) -> list[CacheRecord]:
+    """The records of pack_records, as views of its flat array."""
+    n, layout, flat = packed
+    with warnings.catch_warnings():  # read-only from Ray's object store: only ever read here
+        warnings.simplefilter("ignore", UserWarning)
+        buffer = torch.from_numpy(flat)
+    records = [CacheRecord() for _ in range(n)]
+    for i, key, dtype, shape, offset, size in layout:
+        kind, layer = key.rsplit(".", 1)
+        t = buffer[offset : offset + size].view(getattr(torch, dtype)).view(shape)
+        getattr(records[i], kind)[int(layer)] = t
+    return records

@@ -23,7 +23,7 @@ from k3ray.engine.cache_manager import CacheManager, cache_bytes_for, size_cache
 from k3ray.engine.config import EngineConfig
 from k3ray.engine.executor import Executor
 from k3ray.engine.grammar_compiler import GrammarCompiler, GrammarLimits
-from k3ray.engine.handoff import Handoff, HandoffMismatchError, latent_rows
+from k3ray.engine.handoff import Handoff, HandoffMismatchError, HandoffPart, latent_rows
 from k3ray.engine.logits_processors import process_logits
 from k3ray.engine.media import PromptMedia, VisionEncoderFn, attach_media, encode_pending
 from k3ray.engine.media_inputs import MultiModalConfig
@@ -34,7 +34,7 @@ from k3ray.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from k3ray.engine.sequence import Request, Sequence
 from k3ray.engine.spec import NgramProposer, verify
 from k3ray.engine.stats import EngineStats, StatsCollector
-from k3ray.sampling_params import SamplingParams
+from k3ray.sampling_params import RequestOutputKind, SamplingParams
 from k3ray.vision import MediaConfig, ProcessedMedia
 
 GRAMMAR_WAIT_S = 0.02  # a step with nothing to run but requests waiting for grammars waits this long for a compile
@@ -122,11 +122,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, media: Seq[ProcessedMedia] | None = None, *,
-                    export_from: int | None = None, handoff: Handoff | None = None) -> None:
-        """Queue a request; raises ValueError (changing nothing) if it cannot run. `export_from` and
-        `handoff`: prefill/decode disaggregation, see make_request."""
+                    export_from: int | None = None, export_parts: bool = False,
+                    handoff: Handoff | None = None) -> None:
+        """Queue a request; raises ValueError (changing nothing) if it cannot run. `export_from`,
+        `export_parts` and `handoff`: prefill/decode disaggregation, see make_request."""
         self.enqueue(self.make_request(request_id, prompt, params, arrival_time, media, export_from=export_from,
-                                       handoff=handoff))
+                                       export_parts=export_parts, handoff=handoff))
 
     def enqueue(self, request: Request) -> None:
         """Queue a request built by make_request; one with a grammar reaches the scheduler once its
@@ -155,7 +156,8 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                      arrival_time: float | None = None, media: Seq[ProcessedMedia] | None = None, *,
-                     export_from: int | None = None, handoff: Handoff | None = None) -> Request:
+                     export_from: int | None = None, export_parts: bool = False,
+                     handoff: Handoff | None = None) -> Request:
         """Validate and build a request without queueing it. With `media` (preprocessed images /
         videos), the prompt holds one media placeholder per item, in order; each is expanded to the
         item's token count (a text prompt is then encoded with special tokens, so the placeholder may
@@ -164,7 +166,10 @@ class LLMEngine:
         Prefill/decode disaggregation (one sequence a request): with `export_from`, the request ends at
         its first token and its final output carries a Handoff of the caches from prompt token
         `export_from` on (a multiple of block_size the receiver holds: held_prefix_tokens); with
-        `handoff`, the request starts from one, at its second token."""
+        `export_parts` too (DELTA outputs), each prompt chunk but the last sends the latent rows it
+        computed as a HandoffPart in `handoff_parts` of a non-final output, where the executor reads
+        them here (a Ray pipeline's stay at its stages until the end), and the final Handoff the rest;
+        with `handoff` (parts joined), the request starts from one, at its second token."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -181,9 +186,11 @@ class LLMEngine:
         params.validate(self.vocab_size, self.max_model_len, self.config.max_schema_bytes)
         request = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
                           prompt_media)
-        if export_from is not None or handoff is not None:
-            self._check_handoff(request, export_from, handoff)
+        if export_from is not None or handoff is not None or export_parts:
+            self._check_handoff(request, export_from, export_parts, handoff)
             request.export_from, request.handoff_in = export_from, handoff
+            request.export_parts = export_parts and self.executor.reads_handoff_here
+            request.rows_sent = export_from
         if params.structured_outputs is not None:
             request.grammar = self._compile(params.structured_outputs)
         for i in range(params.num_sequences):
@@ -193,9 +200,16 @@ class LLMEngine:
             self._next_seq_id += 1
         return request
 
-    def _check_handoff(self, request: Request, export_from: int | None, handoff: Handoff | None) -> None:
+    def _check_handoff(self, request: Request, export_from: int | None, export_parts: bool,
+                       handoff: Handoff | None) -> None:
         if export_from is not None and handoff is not None:
             raise ValueError("a request either hands off its prefill (export_from) or continues one (handoff)")
+        if export_parts and (export_from is None or request.params.output_kind is not RequestOutputKind.DELTA):
+            raise ValueError("export_parts needs export_from and DELTA outputs (each output carries the parts new "
+                             "since the previous one)")
+        if handoff is not None and handoff.latent_from != handoff.start:
+            raise HandoffMismatchError(f"the handoff of {handoff.request_id!r} carries rows from {handoff.latent_from}, "
+                                       f"not from {handoff.start}: join the parts sent before it first")
         if request.params.num_sequences != 1:
             raise ValueError(f"disaggregated prefill runs one sequence a request; this one asks "
                              f"{request.params.num_sequences} (n / best_of)")
@@ -353,14 +367,14 @@ class LLMEngine:
             plan = self.scheduler.make_plan(out)
             logits = self.executor.execute(plan)
             processed = self._process(out, logits)
-            self._export_handoffs(out)
+            parted = self._export_handoffs(out)
         except BaseException:
             self.scheduler.fail(out)
             raise
         self.scheduler.commit(out, processed)
         self.stats.num_steps += 1
         for sc in out.seqs:
-            if sc.num_new_tokens or sc.seq.finished:
+            if sc.num_new_tokens or sc.seq.finished or sc.seq.request in parted:
                 touched[sc.seq.request.request_id] = sc.seq.request
         outputs = self._outputs_of(touched)
         ended = time.monotonic()
@@ -410,13 +424,23 @@ class LLMEngine:
         if self.output_processor.append(seq, handoff.first_token, handoff.first_logprobs):
             self.scheduler.free(seq)
 
-    def _export_handoffs(self, out: SchedulerOutput) -> None:
-        """Prefill-only sequences that sampled their first token this step end with their handoff."""
+    def _export_handoffs(self, out: SchedulerOutput) -> set[Request]:
+        """Prefill-only sequences that sampled their first token this step end with their handoff;
+        those exporting parts whose chunk computed rows this step send them -> the requests that did."""
+        parted = set()
         for sc in out.seqs:
             seq, request = sc.seq, sc.seq.request
-            if request.export_from is None or not sc.num_new_tokens:
+            if request.export_from is None:
                 continue
-            rows = latent_rows(seq.block_table, request.export_from, seq.prompt_len, self.cache.block_size)
+            if not sc.num_new_tokens:
+                if request.export_parts and sc.end > request.rows_sent:
+                    rows = latent_rows(seq.block_table, request.rows_sent, sc.end, self.cache.block_size)
+                    request.handoff_parts_out.append(HandoffPart(
+                        request.request_id, request.rows_sent, sc.end, self.executor.read_handoff(seq.state_slot, rows)))
+                    request.rows_sent = sc.end
+                    parted.add(request)
+                continue
+            rows = latent_rows(seq.block_table, request.rows_sent, seq.prompt_len, self.cache.block_size)
             request.handoff_out = Handoff(
                 request_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids,
@@ -427,9 +451,11 @@ class LLMEngine:
                 generator_state=seq.generator.get_state() if seq.generator is not None else None,
                 prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
                 prefill_seconds=time.monotonic() - request.metrics.arrival_time,
+                rows_from=None if request.rows_sent == request.export_from else request.rows_sent,
             )
             if not seq.finished:
                 self.output_processor.hand_off(seq)
+        return parted
 
     def _observe_rates(self, out: SchedulerOutput, seconds: float) -> None:
         """This step's prefill tokens of each lane and its decode tokens, for the measured rates."""

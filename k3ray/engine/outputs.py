@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from k3ray.engine.handoff import Handoff
+    from k3ray.engine.handoff import Handoff, HandoffPart
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     handoff: Handoff | None = None  # a prefill-only request's caches and first token, in its final output
+    handoff_parts: list[HandoffPart] = field(default_factory=list)  # its latent rows sent early (delta outputs)
 
 
 @dataclass
@@ -106,11 +107,13 @@ class OutputAccumulator:
 
     def __init__(self) -> None:
         self._last: RequestOutput | None = None
+        self._handoff_parts: list[HandoffPart] = []
         self._prompt_logprobs: list[PositionLogprobs | None] | None = None
         self._completions: dict[int, _Growing] = {}
 
     def add(self, delta: RequestOutput) -> None:
         self._last = delta
+        self._handoff_parts += delta.handoff_parts
         if delta.prompt_logprobs is not None:
             if self._prompt_logprobs is None:
                 self._prompt_logprobs = []
@@ -124,7 +127,7 @@ class OutputAccumulator:
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
                              None if self._prompt_logprobs is None else list(self._prompt_logprobs),
                              [self._completions[i].output() for i in sorted(self._completions)], last.finished,
-                             last.metrics, last.handoff)
+                             last.metrics, last.handoff, list(self._handoff_parts))
 
 
 @dataclass

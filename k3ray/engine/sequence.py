@@ -135,6 +135,9 @@ class Request:
         self.num_prompt_logprobs_sent = 0  # by delta outputs
         # prefill/decode disaggregation (k3ray/engine/handoff.py)
         self.export_from: int | None = None  # prefill only: hand off the caches from this prompt token on
+        self.export_parts = False  # prefill only: send each chunk's latent rows as it computes them
+        self.rows_sent: int | None = None  # prefill only: the latent rows before this one went out in parts
+        self.handoff_parts_out: list = []  # prefill only: HandoffParts made since the previous output
         self.handoff_in = None  # decode: the Handoff to continue from, until it is written into the caches
         self.handoff_out = None  # prefill: the Handoff made once the first token is sampled
 
@@ -164,7 +167,7 @@ class Request:
         if self.prompt_logprobs is not None:
             prompt_logprobs = self.prompt_logprobs[self.num_prompt_logprobs_sent :]
             self.num_prompt_logprobs_sent = len(self.prompt_logprobs)
-        if not completions and not prompt_logprobs and not self.finished:
+        if not completions and not prompt_logprobs and not self.finished and not self.handoff_parts_out:
             return None
         return RequestOutput(
             request_id=self.request_id,
@@ -175,7 +178,12 @@ class Request:
             finished=self.finished,
             metrics=self.metrics,
             handoff=self.handoff_out,
+            handoff_parts=self._take_parts(),
         )
+
+    def _take_parts(self) -> list:
+        parts, self.handoff_parts_out = self.handoff_parts_out, []
+        return parts
 
     def output(self) -> RequestOutput:
         """Everything so far (cumulative)."""

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation on a real Serve app on loopback (one K3Prefill and one K3Server decode
 replica, each an engine process): through the real openai client, greedy outputs equal the
-colocated engine's token for token — plain prompts, chunked prefill (64-token steps), n-gram
+colocated engine's token for token — plain prompts, chunked prefill (64-token steps, each chunk's
+latent rows sent while the next runs), n-gram
 speculative decoding on the decode side, a prefix the decode replica already holds (only the rest
 travels), streaming, structured output through chat, n > 1 (run whole on the decode replica), and
 both pools as pipeline 2 x expert-parallel 2 replicas."""
@@ -74,6 +75,10 @@ def test_greedy_completions_equal_the_colocated_engine(pd_app, colocated):
     after = handoff_stats()
     assert after["handoffs"] - before["handoffs"] == 4
     assert after["transports"]["host"] - before["transports"].get("host", 0) == 4
+    # the rows of each 64-token chunk but the last went while the next ran: at least one part for each of
+    # the 70- and 80-token prompts, two for the 150-token one; the 5-token prompt's rows all went at the end
+    parts, early, latent = (after[k] - before[k] for k in ("parts", "part_bytes", "latent_bytes"))
+    assert parts >= 4 and 0 < early < latent
 
 
 def test_a_prefix_the_decode_replica_holds_is_not_sent_again(pd_app, colocated):
@@ -142,5 +147,6 @@ def test_pipeline_and_expert_parallel_on_both_sides(pd_pipelines, colocated):
     after = call_deployment(APP_PP, "K3Server", "handoff_stats")
     assert after["handoffs"] - before["handoffs"] == 3
     assert after["transports"]["stage-direct"] - before["transports"].get("stage-direct", 0) == 3
+    assert after["parts"] == before["parts"]  # a pipeline's rows stay at its stages until the prefill ends
     sent, prompts = (after[k] - before[k] for k in ("tokens_sent", "prompt_tokens"))
     assert sent == prompts - 64  # the last prompt's shared blocks stayed on the decode side

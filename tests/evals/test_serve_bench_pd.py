@@ -1,5 +1,5 @@
 """`k3ray bench serve --workload pd` (evals/serve_bench/pd.py): the window's gaps, the output
-comparison, the handoff formula, and a whole run at small sizes (1K-token long prompts, two streams)
+comparison, the handoff formula, and a whole run at small sizes (2.6K-token long prompts, two streams)
 on real Serve apps on loopback — colocated, then disaggregated, each pinned core by core."""
 
 import pytest
@@ -77,7 +77,8 @@ def test_a_small_run_reports_the_keys_with_equal_outputs(serve_app):
     from k3ray.actors.serve import launch as serve_launch
     from k3ray.actors.serve.isolation import free_port
 
-    args = parse("--long-prompt-tokens", "1024", "--decode-streams", "2", "--max-tokens", "4000", "--pin-cores")
+    # long prompts of 2,600 tokens: several prefill chunks each (2,048-token steps ending at snapshots)
+    args = parse("--long-prompt-tokens", "2600", "--decode-streams", "2", "--max-tokens", "4000", "--pin-cores")
     port = free_port()  # both apps behind the one HTTP port Serve started with
     result = pd.compare(args, lambda app_args: serve_app(app_args, name=pd.APP, port=port),
                         lambda: serve_launch.delete_app(pd.APP))
@@ -86,8 +87,10 @@ def test_a_small_run_reports_the_keys_with_equal_outputs(serve_app):
     assert result["handoff_bytes_per_token_ratio"] == pytest.approx(1.0, rel=0.05)
     colocated, disaggregated = result["runs"]["colocated"], result["runs"]["disaggregated"]
     handoff = disaggregated["handoff"]
-    assert handoff["handoffs"] == 2 and handoff["tokens_sent"] == handoff["prompt_tokens"] == 2048
+    assert handoff["handoffs"] == 2 and handoff["tokens_sent"] == handoff["prompt_tokens"] == 5200
     assert handoff["transports"] == {"host": handoff["handoffs"]} and handoff["transfer_s"] > 0
+    # all but the last chunk's rows of each long prompt crossed while the later chunks ran
+    assert handoff["parts"] >= 2 and 0.5 < result["handoff_latent_share_sent_during_prefill"] < 1
     for run in (colocated, disaggregated):
         assert run["failed"] == [] and run["window_gaps"] > 0 and run["streams_cover_window"]
     assert set(colocated["pinned_cores"]) == {"K3Server#0", "K3Server#1"}

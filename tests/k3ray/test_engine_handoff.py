@@ -189,3 +189,67 @@ def test_bad_handoff_requests_are_refused(model):
     with pytest.raises(HandoffMismatchError, match="another prompt"):
         e.add_request("c", tokens(21, 15), GREEDY, handoff=handoff)
     assert not e.has_unfinished_requests()
+
+
+def prefill_in_parts(prefill_engine, request_id, prompt, params, export_from):
+    """Export with parts (delta outputs): the parts as they came, and the final handoff."""
+    delta = replace(params, output_kind=RequestOutputKind.DELTA)
+    prefill_engine.add_request(request_id, prompt, delta, export_from=export_from, export_parts=True)
+    parts, final = [], None
+    while final is None:
+        for out in prefill_engine.step():
+            assert out.request_id == request_id
+            parts += out.handoff_parts
+            if out.finished:
+                final = out
+    assert not final.handoff_parts  # the last chunk's rows are in the handoff itself
+    return parts, final.handoff
+
+
+@pytest.mark.parametrize("held", [0, 16])
+def test_parts_sent_while_later_chunks_run_join_into_the_whole_handoff(model, held):
+    prompt = tokens(61, 11)
+    chunked = dict(max_num_batched_tokens=16, snapshot_interval=2)
+    d = engine(model)
+    if held:
+        d.add_request("warm", prompt[:held + 1], GREEDY)
+        finish_request(d, "warm")
+        assert d.held_prefix_tokens(prompt) == held
+    parts, final = prefill_in_parts(engine(model, **chunked), "p", prompt, GREEDY, held)
+    # one part a chunk but the last (chunks of at most 16 tokens), each the rows its chunk computed
+    ends = [held] + [p.rows_to for p in parts]
+    assert [p.rows_from for p in parts] == ends[:-1] and all(0 < b - a <= 16 for a, b in zip(ends, ends[1:]))
+    assert len(parts) >= 2 and final.rows_from == ends[-1] and len(prompt) - 16 <= final.rows_from < len(prompt)
+    whole = prefill(engine(model, **chunked), "w", prompt, GREEDY, held)
+    joined = final.pack().joined([p.pack() for p in parts])  # as they cross Ray
+    for got, want in zip(joined.records, whole.records):
+        for kind in ("kda_state", "conv_state", "mla_latent"):
+            for layer, t in getattr(want, kind).items():
+                assert torch.equal(getattr(got, kind)[layer], t), (kind, layer)
+    sizes = sum(p.nbytes() for p in parts) + final.unpack().nbytes()["mla_latent"]
+    assert sizes == block_bytes(MICRO, 1, torch.float32) * (len(prompt) - held)
+    d.add_request("p", prompt, GREEDY, handoff=joined)
+    assert finish_request(d, "p").outputs[0].token_ids == colocated(model, prompt, GREEDY).token_ids
+    assert_nothing_held(d)
+
+
+def test_parts_must_be_joined_whole_and_in_order(model):
+    prompt = tokens(61, 12)
+    parts, final = prefill_in_parts(engine(model, max_num_batched_tokens=16), "p", prompt, GREEDY, 0)
+    assert len(parts) >= 3
+    with pytest.raises(HandoffMismatchError, match="does not continue"):
+        final.joined([parts[0], parts[2]])
+    with pytest.raises(HandoffMismatchError, match=f"end at row {parts[-2].rows_to}"):
+        final.joined(parts[:-1])
+    d = engine(model)
+    with pytest.raises(HandoffMismatchError, match="join the parts"):
+        d.add_request("p", prompt, GREEDY, handoff=final)  # the rows before its own never came
+    assert_nothing_held(d)
+    e = engine(model)
+    with pytest.raises(ValueError, match="DELTA"):
+        e.add_request("q", prompt, GREEDY, export_from=0, export_parts=True)
+    with pytest.raises(ValueError, match="needs export_from"):
+        e.add_request("q", prompt, replace(GREEDY, output_kind=RequestOutputKind.DELTA), export_parts=True)
+    # a prompt in one chunk (no snapshot boundaries to end chunks at) has no parts: its handoff is whole
+    parts, final = prefill_in_parts(engine(model, enable_prefix_caching=False), "one", prompt, GREEDY, 0)
+    assert parts == [] and final.rows_from is None
