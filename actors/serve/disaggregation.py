@@ -10,7 +10,9 @@ It orchestrates, as Ray Serve LLM's decode server does:
 
 Overlap: a prefill replica whose engine reads its caches in its own process (not a Ray pipeline)
 streams the latent rows of each prompt chunk but the last as it is computed, so they cross while the
-later chunks run; only the last chunk's rows, the state and the first token travel after it.
+later chunks run, on to this replica's engine process too (EngineClient.send_handoff_part: it keeps
+them and joins them with the handoff the import brings); only the last chunk's rows, the state and
+the first token travel after the first token.
 
 The handoff travels through Ray's object store: between pipeline replicas whose stages hold the same
 layers, each prefill stage's part goes straight to the decode stage that holds those layers
@@ -65,11 +67,13 @@ class HandoffStats:
         self.parts = 0  # HandoffParts: latent rows sent while the prompt's later chunks ran
         self.part_bytes = 0  # their latent bytes (in latent_bytes too)
 
-    def observe_parts(self, parts: list[HandoffPart]) -> None:
-        self.parts += len(parts)
-        self.part_bytes += sum(p.nbytes() for p in parts)
+    def observe_part(self, part: HandoffPart) -> None:
+        self.parts += 1
+        self.part_bytes += part.nbytes()
+        self.latent_bytes += part.nbytes()
 
     def observe(self, handoff: Handoff, transport: str, transfer_s: float) -> None:
+        """A final handoff (its parts, observed as they came, hold the rest of its latent rows)."""
         sizes = handoff.unpack().nbytes()
         self.handoffs += 1
         self.transports[transport] = self.transports.get(transport, 0) + 1
@@ -134,7 +138,7 @@ class DisaggregatedEngine:
                 held = await self.engine.held_prefix_tokens(prompt, media)
             asked = time.monotonic()
             try:
-                handoff = await self._prefill(prompt, params, media, held, f"{request_id}-p{attempt}")
+                final, parts = await self._prefill(prompt, params, media, held, f"{request_id}-p{attempt}", request_id)
             except (ValueError, ray.exceptions.TaskCancelledError):
                 raise
             except (ModelUnavailableError, ray.exceptions.RayError) as e:  # a prefill replica or its result lost
@@ -143,7 +147,8 @@ class DisaggregatedEngine:
                 logger.warning("request %s: prefill attempt %d failed: %s: %s", request_id, attempt + 1,
                                type(e).__name__, e)
                 continue
-            transport = handoff.transport
+            transport = final.transport
+            handoff = await asyncio.to_thread(final.joined, parts) if parts else final
             if transport != "host" and isinstance(self.engine, EngineClient):  # its engine process is no Ray worker
                 handoff = await asyncio.to_thread(lambda h=handoff: h.materialized().pack())
             started = False
@@ -152,7 +157,7 @@ class DisaggregatedEngine:
                     async for out in outs:
                         if not started:
                             started = True
-                            self.stats.observe(handoff, transport, time.monotonic() - asked - handoff.prefill_seconds)
+                            self.stats.observe(final, transport, time.monotonic() - asked - final.prefill_seconds)
                         yield out
                 return
             except HandoffMismatchError as e:  # the prefix it left out was evicted here: send everything
@@ -163,24 +168,33 @@ class DisaggregatedEngine:
         raise ModelUnavailableError(f"no prefill replica could run the prompt in {self.attempts} attempts; the last "
                                     f"failure: {type(failure).__name__}: {failure}")
 
-    async def _prefill(self, prompt: list[int], params: SamplingParams, media, held: int, request_id: str) -> Handoff:
-        """One prefill on a replica chosen by prefix affinity over the prompt's block hashes: its parts
-        as they stream in (while its later chunks run), joined with its final handoff."""
+    async def _prefill(self, prompt: list[int], params: SamplingParams, media, held: int, request_id: str,
+                       engine_request_id: str) -> tuple[Handoff, list[HandoffPart]]:
+        """One prefill on a replica chosen by prefix affinity over the prompt's block hashes -> its final
+        handoff and the parts to join it with. The parts stream in while its later chunks run: an engine
+        process gets each at once (and joins them with the handoff its import brings: none are
+        returned), an engine here gets them joined by the caller."""
         chain = block_chain(prompt, self.block_size, self.placeholder)
         response = self.prefill.options(stream=True).prefill.remote(
             prompt, params, list(media) if media else None, held, request_id, prefix_hashes=chain)
+        forward = isinstance(self.engine, EngineClient)
         parts, final = [], None
         try:
             async for item in response:
-                if isinstance(item, HandoffPart):
-                    parts.append(item)
-                else:
+                if not isinstance(item, HandoffPart):
                     final = item
+                    continue
+                self.stats.observe_part(item)
+                if forward:
+                    self.engine.send_handoff_part(engine_request_id, item)
+                else:
+                    parts.append(item)
+            if isinstance(final, BaseException):  # its engine refused it: the error as that replica saw it
+                raise final
+            assert isinstance(final, Handoff), f"the prefill of {request_id} ended with {type(final).__name__}"
         except BaseException:
             response.cancel()  # the client left (or the call failed): the prefill replica aborts it
+            if forward:
+                self.engine.send_handoff_part(engine_request_id, None)  # the parts sent so far go
             raise
-        if isinstance(final, BaseException):  # its engine refused it: the error as that replica saw it
-            raise final
-        assert isinstance(final, Handoff), f"the prefill of {request_id} ended with {type(final).__name__}"
-        self.stats.observe_parts(parts)
-        return await asyncio.to_thread(final.joined, parts) if parts else final
+        return final, parts

@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 from k3ray.engine.engine_core_proc import WirePrompts
 from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.errors import ModelUnavailableError
-from k3ray.engine.handoff import Handoff
+from k3ray.engine.handoff import Handoff, HandoffPart
 from k3ray.engine.outputs import OutputAccumulator, RequestOutput, follow, latest, merge_deltas
 from k3ray.engine.pipe import recv, send
 from k3ray.engine.stats import EngineStats
@@ -141,6 +141,13 @@ class EngineClient:
         if isinstance(value, BaseException):
             raise value
         return value
+
+    def send_handoff_part(self, request_id: str, part: HandoffPart | None) -> None:
+        """Send a handoff part ahead of the request it belongs to: the engine process keeps it and
+        joins it with the handoff the request's generate(handoff=) brings (None: drop the parts sent
+        for `request_id`, a prefill given up)."""
+        if self._error is None:
+            self._send(("part", request_id, part))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason 'abort'."""

@@ -7,9 +7,11 @@ even while it builds the engine or runs a long step (it never reads the socket t
     python -m k3ray.engine.engine_core_proc FD PID   # FD: this end of the parent's socketpair, PID: the parent
 
 Messages in:  ("add", request_id, prompt, params, media, arrival_time, transfer) | ("abort", request_id)
-              | ("held", call_id, prompt, media) | ("shutdown",); the first message is the engine
-              factory (a picklable callable). transfer: None, ("export", first token to hand off) or
-              ("import", Handoff) — prefill/decode disaggregation (LLMEngine.make_request).
+              | ("held", call_id, prompt, media) | ("part", request_id, HandoffPart | None) | ("shutdown",);
+              the first message is the engine factory (a picklable callable). transfer: None,
+              ("export", first token to hand off, parts too) or ("import", Handoff) — prefill/decode
+              disaggregation (LLMEngine.make_request). A "part" is kept until the request's import
+              "add" joins it with the handoff (None: drop the request's parts, a prefill given up).
 Messages out: ("ready", EngineInfo, EngineStats) | ("failed", error) once, then
               ("step", [RequestOutput], [(request_id, error)], EngineStats) whenever something
               happened, and at least every STATS_EVERY_S while steps run. The outputs are what the
@@ -79,6 +81,7 @@ class WirePrompts:
 def serve_engine(engine, conn: Connection) -> None:
     """Run until the parent sends ("shutdown",) or closes the socket."""
     prompts = WirePrompts()
+    parts: dict[str, list] = {}  # handoff parts of imports still to come, by request id
     last_sent = time.monotonic()
     while True:
         outputs, errors = [], []
@@ -91,9 +94,9 @@ def serve_engine(engine, conn: Connection) -> None:
                     kw = {}
                     if transfer is not None and transfer[0] == "export":
                         kw["export_from"], kw["export_parts"] = transfer[1], transfer[2]
-                    elif transfer is not None:
-                        kw["handoff"] = transfer[1]
                     try:
+                        if transfer is not None and transfer[0] == "import":
+                            kw["handoff"] = transfer[1].joined(parts.pop(request_id, []))
                         engine.add_request(request_id, prompt, params, arrival_time, media, **kw)
                     except Exception as e:  # noqa: BLE001 - this request fails (ValueError: a bad one), the rest go on
                         errors.append((request_id, portable(e)))
@@ -104,7 +107,14 @@ def serve_engine(engine, conn: Connection) -> None:
                     except Exception as e:  # noqa: BLE001 - the caller gets the error
                         value = portable(e)
                     send(conn, ("reply", call_id, value))
+                elif message[0] == "part":
+                    request_id, part = message[1:]
+                    if part is None:
+                        parts.pop(request_id, None)
+                    else:
+                        parts.setdefault(request_id, []).append(part)
                 elif message[0] == "abort":
+                    parts.pop(message[1], None)
                     final = engine.abort_request(message[1])
                     if final is not None:
                         outputs.append(final)

@@ -244,3 +244,44 @@ def test_shutdown_stops_the_process(args):
     asyncio.run(client.shutdown())
     assert client.process.poll() == 0
     assert not client.alive
+
+
+
+def test_handoff_parts_sent_ahead_are_joined_in_the_engine_process(client, args, tiny_checkpoint):
+    """Parts go to the engine process as they come and wait there for their import; dropped ones are
+    gone (the import then lacks rows: a HandoffMismatchError, which makes the sender prefill again)."""
+    from k3ray.engine.handoff import HandoffMismatchError
+
+    engine = {"max_model_len": 256, "cache_memory_mb": 8, "threads": 1, "max_num_batched_tokens": 32}
+    prefill = local_engine(ServeArgs.model_validate({"model": {"model": tiny_checkpoint}, "engine": engine}).resolved())
+    prompt = [(i * 37) % 200 + 20 for i in range(150)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prefill.add_request("p", prompt, replace(greedy, output_kind=RequestOutputKind.DELTA), export_from=0,
+                        export_parts=True)
+    parts, final = [], None
+    while final is None:
+        for out in prefill.step():
+            parts += [p.pack() for p in out.handoff_parts]
+            final = out.handoff.pack() if out.finished else None
+    assert len(parts) >= 3 and final.rows_from == parts[-1].rows_to
+
+    async def imported(request_id):
+        return [out async for out in client.generate(prompt, greedy, request_id, handoff=final)][-1]
+
+    async def run():
+        for part in parts:
+            client.send_handoff_part("d", part)
+        got = await imported("d")
+        for part in parts:
+            client.send_handoff_part("e", part)
+        client.send_handoff_part("e", None)
+        with pytest.raises(HandoffMismatchError, match="end at row 0"):
+            await imported("e")
+        return got
+
+    got = asyncio.run(run())
+    reference = local_engine(args)
+    reference.add_request("ref", prompt, greedy)
+    while reference.has_unfinished_requests():
+        outs = reference.step()
+    assert got.outputs[0].token_ids == outs[0].outputs[0].token_ids
