@@ -68,9 +68,10 @@ class HandoffStats:
         self.part_bytes = 0  # their latent bytes (in latent_bytes too)
 
     def observe_part(self, part: HandoffPart) -> None:
+        size = part.nbytes()
         self.parts += 1
-        self.part_bytes += part.nbytes()
-        self.latent_bytes += part.nbytes()
+        self.part_bytes += size
+        self.latent_bytes += size
 
     def observe(self, handoff: Handoff, transport: str, transfer_s: float) -> None:
         """A final handoff (its parts, observed as they came, hold the rest of its latent rows)."""
