@@ -37,6 +37,8 @@ class FrequentWords(TextTask):
         fwe_wording(self.template, self.num_answers)  # a ValueError names a wrong template or count
 
     def _core(self, rng: random.Random, num_words: int, length: int) -> tuple[list[str], list[str]]:
+        if num_words <= 0:  # the template alone fills the length
+            raise ValueError(f"length {length} is too short for frequent-words extraction ({num_words} words)")
         harmonic = sum(r**-self.alpha for r in range(1, 10_000))
         vocab_size = max(self.num_answers + 1, int((num_words / harmonic) ** (1 / self.alpha)))
         counts = [int(num_words * r**-self.alpha / harmonic) for r in range(1, vocab_size + 1)]

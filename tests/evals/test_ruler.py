@@ -1,5 +1,6 @@
 """RULER-style non-needle tasks (vt, cwe, fwe) and RULER's string-match scoring."""
 
+import dataclasses
 import re
 from collections import Counter
 
@@ -8,12 +9,14 @@ import pytest
 from k3ray.evals.oracle import OracleTarget, corrupt
 from k3ray.evals.scoring import score, string_match_all, string_match_part
 from k3ray.evals.tasks import SUITES, TASKS, Cell
+from k3ray.evals.tasks.templates import TEMPLATES, fwe_wording
 
 RIGHT, WRONG = OracleTarget(), OracleTarget(wrong=True)
 
 
-def _item(name, length=3000, depth=None, sample=0):
-    return TASKS[name].build(Cell(name, length, depth, sample), RIGHT, 0)
+def _item(name, length=3000, depth=None, sample=0, template=None):
+    task = TASKS[name] if template is None else dataclasses.replace(TASKS[name], template=template)
+    return task.build(Cell(name, length, depth, sample), RIGHT, 0)
 
 
 @pytest.mark.parametrize("name", ["vt", "cwe", "fwe"])
@@ -39,18 +42,22 @@ def test_variable_chain_is_in_order_and_complete(depth):
     assert f"assigned the value {value}" in item.prompt
 
 
-def test_common_words_frequencies():
-    item = _item("cwe", 8000)
-    counts = Counter(re.findall(r"^\d+\. (\S+)$", item.prompt, re.M))
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_common_words_frequencies(template):
+    item = _item("cwe", 8000, template=template)
+    # k3ray's list has a numbered word a line, RULER's runs on one line ("1. a 2. b ...")
+    counts = Counter(re.findall(r"(?:^|\s)\d+\. ([a-z]+)(?=\s|$)", item.prompt[: item.prompt.index("\nQuestion:")]))
     common = {w: counts[w] for w in item.answers}
     assert len(common) == 10 and len(set(common.values())) == 1
     freq = next(iter(common.values()))
     assert freq > max(c for w, c in counts.items() if w not in common)
 
 
-def test_frequent_words_follow_zipf():
-    item = _item("fwe", 8000)
-    body = item.prompt[item.prompt.index("\n") + 1 : item.prompt.index("\nQuestion:")]
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_frequent_words_follow_zipf(template):
+    item = _item("fwe", 8000, template=template)
+    head = fwe_wording(template, 3).head
+    body = item.prompt[len(head) : item.prompt.index("\nQuestion:")]
     ranked = Counter(w for w in body.split() if w.isalpha()).most_common(5)
     assert [w for w, _ in ranked[:3]] == list(item.answers)
     # alpha = 2: rank r appears about 1/r^2 as often as rank 1
@@ -58,10 +65,11 @@ def test_frequent_words_follow_zipf():
     assert ranked[0][1] / ranked[2][1] == pytest.approx(9, rel=0.15)
 
 
-@pytest.mark.parametrize("name,length", [("cwe", 700), ("fwe", 300)])
-def test_lists_too_short_for_a_length_are_refused(name, length):
+@pytest.mark.parametrize("template", TEMPLATES)
+@pytest.mark.parametrize("name,length", [("cwe", 700), ("fwe", 300), ("fwe", 120)])
+def test_lists_too_short_for_a_length_are_refused(name, length, template):
     with pytest.raises(ValueError, match="too short"):
-        _item(name, length)
+        _item(name, length, template=template)
 
 
 def test_ruler_suite_lists_thirteen_minus_qa():
