@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--haystack", help="JSONL (text field) or .txt file replacing the corpus (default: the bundled "
                        "public-domain one)")
         p.add_argument("--template", choices=TEMPLATES, default=DEFAULT_TEMPLATE,
-                       help="the text tasks' prompt wording: k3ray's own, or RULER's templates and answer prefixes "
+                       help="the text tasks' prompt wording: RULER's templates and answer prefixes, or k3ray's own "
                             f"(default: {DEFAULT_TEMPLATE})")
         p.add_argument("--chat", action="store_true",
                        help="send each text prompt as one user message to /v1/chat/completions (as an OpenAI client's "

@@ -28,7 +28,8 @@ _QUESTION = re.compile(r"What (?:are all|is) the special magic (\w+?)s? for (.+?
 
 
 def needle(noun: str, key: str, value: str) -> str:
-    return NEEDLE_TEMPLATES[DEFAULT_TEMPLATE].needle.format(noun=noun, key=key, value=value)
+    """The k3ray template's needle sentence."""
+    return NEEDLE_TEMPLATES["k3ray"].needle.format(noun=noun, key=key, value=value)
 
 
 QUESTION_START = "\nWhat are all the special magic "  # the k3ray template's question
@@ -36,7 +37,7 @@ QUESTION_START = "\nWhat are all the special magic "  # the k3ray template's que
 
 def question(noun: str, query: str) -> str:
     """The k3ray template's tail: the question, then the start of the answer the model completes."""
-    return NEEDLE_TEMPLATES[DEFAULT_TEMPLATE].plural.format(noun=noun, query=query).tail
+    return NEEDLE_TEMPLATES["k3ray"].plural.format(noun=noun, query=query).tail
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
-"""Prompt wordings of the text tasks, by name: "k3ray" (the project's own, the default while the
-shipped `k3-tiny-niah` reads only it) and "ruler" (RULER's own templates and answer prefixes, from
-NVIDIA/RULER scripts/data/synthetic/constants.py, so k3ray's prompts and RULER-prepared files
-share their text).
+"""Prompt wordings of the text tasks, by name: "ruler" (the default: RULER's own templates and
+answer prefixes, from NVIDIA/RULER scripts/data/synthetic/constants.py, so k3ray's prompts and
+RULER-prepared files share their text) and "k3ray" (the project's earlier wording, kept as a variant).
 
 A task takes `template=` a name here (or, for niah, a `NeedleTemplate`, as the training data's
 paraphrases do) and asks `needle_template` / `vt_wording` / `cwe_wording` / `fwe_wording` for its
@@ -14,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TEMPLATES = ("k3ray", "ruler")
-DEFAULT_TEMPLATE = "k3ray"
+DEFAULT_TEMPLATE = "ruler"
 
 
 def check_template(name: object) -> None:

@@ -1,5 +1,6 @@
 """NIAH generators: oracle scores, needle placement, determinism, sentence-boundary insertion."""
 
+import dataclasses
 import re
 
 import pytest
@@ -8,6 +9,7 @@ from k3ray.evals import haystack as hs
 from k3ray.evals.oracle import OracleTarget
 from k3ray.evals.scoring import score
 from k3ray.evals.tasks import TASKS, Cell, niah
+from k3ray.evals.tasks.templates import TEMPLATES
 
 NIAH_TASKS = [t.name for t in niah.TASKS]
 RIGHT, WRONG = OracleTarget(), OracleTarget(wrong=True)
@@ -41,11 +43,13 @@ def test_multikey_distractors_do_not_answer():
     assert values.count(item.answers[0]) == 1
 
 
+@pytest.mark.parametrize("template", TEMPLATES)
 @pytest.mark.parametrize("depth", [0.0, 25.0, 50.0, 75.0, 100.0])
-def test_needle_sits_at_its_depth(depth):
-    item = _item("niah_single_1", length=4000, depth=depth)
+def test_needle_sits_at_its_depth(depth, template):
+    task = dataclasses.replace(TASKS["niah_single_1"], template=template)
+    item = task.build(Cell("niah_single_1", 4000, depth, 0), RIGHT, 0)
     head_end = item.prompt.index("\n") + 1
-    question = item.prompt.rindex("\nWhat are all")
+    question = item.prompt.rindex("\nWhat ")
     where = item.prompt.index(f"is: {item.answers[0]}.")
     fraction = (where - head_end) / (question - head_end)
     # the needle moves back to a sentence start; noise sentences are under 25 characters of ~3,900

@@ -64,7 +64,8 @@ def test_a_niah_grid_runs_through_the_live_serve_app(endpoint_run):
     assert (out / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     got = records(out)
     assert sorted(r["prompt_tokens"] for r in got.values()) == sorted(LENGTHS * 3)
-    assert all(r["error"] is None and r["prediction"] for r in got.values())
+    assert all(r["error"] is None and isinstance(r["prediction"], str) for r in got.values())
+    assert any(r["prediction"] for r in got.values())  # the random model may end a completion at once (EOS first)
 
 
 def test_progress_against_the_endpoint_follows_the_servers_token_counters(server, tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 """k3-tiny-niah retrieves, so these scores fail on a real pipeline bug (a needle at the wrong depth,
 a lost cache page, a wrong KDA snapshot): niah exact match over 3 depths x 10 samples per length and
-niah_multikey_1 (four needles, the asked one picked by its key) at 2K, seed 0, through the in-process
-engine; a prefix-cache hit, a cold cache, chunked prefill that splits the haystack and n-gram
-speculative decoding all give the plain run's predictions of both."""
+niah_multikey_1 (four needles, the asked one picked by its key) at 2K, seed 0, in RULER's wording,
+through the in-process engine; a prefix-cache hit, a cold cache, chunked prefill that splits the
+haystack and n-gram speculative decoding all give the plain run's predictions of both, and of niah
+through chat and vt, cwe and fwe."""
 
 import pytest
 
@@ -21,7 +22,8 @@ def test_niah_multikey_1_at_2k_reaches_the_issue_s_bar(plain_multikey, multikey_
 
 
 @pytest.mark.parametrize("variant", ["prefix_cache_hit", "cold", "chunked_prefill", "speculative"])
-def test_engine_features_give_the_plain_predictions(plain_grids, trained_checkpoint, trained_grid, tmp_path, variant):
+def test_engine_features_give_the_plain_predictions(plain_grids, variant_forms, forms_of, trained_checkpoint,
+                                                   trained_grid, tmp_path, variant):
     plain = plain_grids["niah"].target
     assert all(grid.scores[2048] >= 0.5 for grid in plain_grids.values())  # a comparison means something only if it retrieves
     if variant == "prefix_cache_hit":
@@ -38,5 +40,6 @@ def test_engine_features_give_the_plain_predictions(plain_grids, trained_checkpo
     for task, grid in plain_grids.items():
         _, got = trained_grid(target, tmp_path / task, task, (2048,), samples=3)
         assert got == grid.at(2048, samples=3), task
+    assert forms_of(target, tmp_path / "forms") == variant_forms
     if variant == "prefix_cache_hit":
         assert plain.engine.get_stats().prefix_cache_hits > hits_before

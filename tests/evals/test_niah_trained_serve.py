@@ -1,7 +1,8 @@
 """k3-tiny-niah through the real Serve endpoint (`k3ray serve --model k3-tiny-niah`'s app on
-loopback): niah at 1K, 2K and 4K (3 depths x 10 samples, seed 0) at the issue's 0.95 and niah_multikey_1
-at 2K at its 0.8, with the in-process engine's predictions; and the Ray executor (pipeline 2 x
-expert-parallel 2) gives those predictions too."""
+loopback), in RULER's wording: niah at 1K, 2K and 4K (3 depths x 10 samples, seed 0) at the issue's 0.95
+through /v1/completions and 0.9 through /v1/chat/completions, and niah_multikey_1 at 2K at its 0.8, with
+the in-process engine's predictions; and the Ray executor (pipeline 2 x expert-parallel 2) gives those
+predictions too, and those of niah through chat and vt, cwe and fwe."""
 
 import socket
 
@@ -39,10 +40,17 @@ def test_served_niah_reaches_the_floors_with_the_engine_s_predictions(serve_app,
         assert got == plain_grids[task].predictions, task  # every cell, at every length
 
 
+def test_served_chat_niah_reaches_the_floor(serve_app, port, trained_checkpoint, trained_grid, chat_floors, tmp_path):
+    served = _serve(serve_app, port, trained_checkpoint, {})
+    scores, _ = trained_grid(served, tmp_path, "niah", tuple(chat_floors), samples=10, chat=True)
+    assert all(scores[n] >= floor for n, floor in chat_floors.items()), scores
+
+
 def test_pipeline_2_x_expert_parallel_2_gives_the_plain_predictions(serve_app, port, trained_checkpoint, plain_grids,
-                                                                    trained_grid, tmp_path):
+                                                                    variant_forms, forms_of, trained_grid, tmp_path):
     assert all(grid.scores[2048] >= 0.5 for grid in plain_grids.values())
     distributed = _serve(serve_app, port, trained_checkpoint, {"pipeline": 2, "expert_parallel": 2})
     for task, grid in plain_grids.items():
         _, got = trained_grid(distributed, tmp_path / task, task, (2048,), samples=3)
         assert got == grid.at(2048, samples=3), task
+    assert forms_of(distributed, tmp_path / "forms") == variant_forms

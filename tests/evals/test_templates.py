@@ -99,18 +99,18 @@ def test_vt_cwe_fwe_are_rulers_text():
         "most frequently appeared words are:")
 
 
-# sha256 of each default prompt (seed 0, 2500 tokens, random depth, sample 1) as the code before templates wrote it
+# sha256 of each k3ray-worded prompt (seed 0, 2500 tokens, random depth, sample 1) as the code before templates wrote it
 K3RAY_PROMPTS = {"niah": "f9865ebedff79bec", "niah_multiquery": "a1375f1b5ccec628", "vt": "2aea38f3127eb00b",
                  "cwe": "9e87f45dbe6a1309", "fwe": "01f6bb3d95c87d62"}
 
 
-def test_k3ray_stays_the_default_wording():
+def test_ruler_is_the_default_and_the_k3ray_variant_stays_byte_for_byte():
     for name, digest in K3RAY_PROMPTS.items():
-        assert TASKS[name].template == "k3ray"
-        item = TASKS[name].build(Cell(name, 2500, None, 1), RIGHT, 0)
-        assert hashlib.sha256(item.prompt.encode()).hexdigest()[:16] == digest, name  # byte for byte today's
+        assert TASKS[name].template == "ruler"
+        item = dataclasses.replace(TASKS[name], template="k3ray").build(Cell(name, 2500, None, 1), RIGHT, 0)
+        assert hashlib.sha256(item.prompt.encode()).hexdigest()[:16] == digest, name  # byte for byte the old default
+    assert TASKS["niah"].build(Cell("niah", 2000, 50.0, 0), RIGHT, 0).prompt == _prompt("niah", "ruler").prompt
     item = _prompt("niah", "k3ray")
-    assert item.prompt == TASKS["niah"].build(Cell("niah", 2000, 50.0, 0), RIGHT, 0).prompt
     assert item.prompt.startswith("Some special magic numbers are hidden inside the following text.")
     assert item.prompt.endswith(" mentioned in the text above are")
 
@@ -149,6 +149,7 @@ def test_template_flag_reaches_the_tasks(tmp_path):
         built = dataclasses.replace(TASKS[cell.task], template="ruler").build(cell, RIGHT, 0)
         assert record["prompt_sha256"] == prompt_digest(built.prompt) and record["score"] == 1.0
     with pytest.raises(ValueError, match="template: 'ruler' -> 'k3ray'"):
-        _main("ruler", "--oracle", "right", "--tasks", "niah,vt", "--lengths", "1500", "--out", str(out), "--resume")
+        _main("ruler", "--oracle", "right", "--tasks", "niah,vt", "--lengths", "1500", "--template", "k3ray",
+              "--out", str(out), "--resume")
     with pytest.raises(SystemExit):
         _main("niah", "--oracle", "right", "--template", "plain", "--out", str(tmp_path / "x"))
