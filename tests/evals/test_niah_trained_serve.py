@@ -25,7 +25,10 @@ def port() -> int:
 
 def _serve(serve_app, port: int, checkpoint: str, parallel: dict) -> OpenAITarget:
     """Deploy (or replace) the module's app on `port`: the checkpoint with this parallel layout."""
-    args = {"model": {"model": checkpoint}, "server": {"served_model_name": checkpoint}, "engine": ENGINE,
+    # no expected-wait bound: eight 4K prompts ahead on a loaded 2-core machine exceed its 30 s, and these
+    # tests read scores, not admission (tests/actors/test_admission.py tests the 429s)
+    server = {"served_model_name": checkpoint, "max_queue_wait_s": 0}
+    args = {"model": {"model": checkpoint}, "server": server, "engine": ENGINE,
             "parallel": parallel}
     return OpenAITarget(serve_app(args, port=port), checkpoint)
 
