@@ -6,7 +6,8 @@ OpenAI server gives for the same checkpoint, without HTTP.
 
 Text prompts are encoded as the server's /tokenize and /v1/completions encode them (special-token
 strings become special ids); chat prompts go through the tokenizer's chat template with a
-generation prompt, as /v1/chat/completions does. Calls from several threads share the engine:
+generation prompt, as /v1/chat/completions does; their image_url / video_url parts (base64 data:
+URLs) go to the engine's vision tower when the checkpoint has one, as the server sends them. Calls from several threads share the engine:
 each waiting caller steps it in turn, so concurrent cells are batched together; a step that fails
 fails every call in it with the cause.
 """
@@ -20,14 +21,17 @@ from dataclasses import replace
 from typing import Any
 
 from k3ray.engine.llm import LLM
+from k3ray.engine.media_inputs import media_from_messages, media_parts
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.evals.target import Prompt
 from k3ray.sampling_params import RequestOutputKind, SamplingParams
 from k3ray.tokenizer.chat import normalize_chat_role
+from k3ray.vision import ProcessedMedia
+from k3ray.vision.placeholders import expand_placeholders
 
-MEDIA_PART_TYPES = ("image_url", "video_url", "input_audio", "audio_url")
+AUDIO_PART_TYPES = ("input_audio", "audio_url")
 
 
 class EngineTarget:
@@ -67,36 +71,54 @@ class EngineTarget:
         stats = self.engine.stats
         return stats.prompt_tokens + stats.generation_tokens + self.engine.cache.prefix_hits
 
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
+    def prompt_inputs(self, prompt: Prompt) -> tuple[list[int], list[ProcessedMedia] | None]:
+        """(prompt ids, their images and videos decoded and preprocessed, or None without any)."""
         if isinstance(prompt, str):
-            return self.tokenize(prompt)
+            return self.tokenize(prompt), None
         messages = []
         for i, message in enumerate(prompt):
             message = normalize_chat_role(message)
             content = message.get("content")
             for part in content if isinstance(content, list) else []:
-                if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
-                    raise ValueError(f"messages[{i}] has a {part['type']} part: EngineTarget runs text models only")
+                if isinstance(part, dict) and part.get("type") in AUDIO_PART_TYPES:
+                    raise ValueError(f"messages[{i}] has a {part['type']} part: k3ray's models take no audio")
             messages.append(message)
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=True, continue_final_message=False)
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, continue_final_message=False)
+        if not media_parts(messages):
+            return ids, None
+        if not self.engine.supports_media:
+            raise ValueError(f"the prompt holds images or videos but {self.name} has no vision tower")
+        multimodal = self.engine.multimodal
+        return ids, media_from_messages(messages, multimodal.media, max_items=multimodal.max_items_per_prompt)
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The ids the model sees, media placeholders expanded to their token counts (as /tokenize)."""
+        ids, media = self.prompt_inputs(prompt)
+        if not media:
+            return ids
+        placeholder = self.engine.model_config.media_placeholder_token_id
+        return expand_placeholders(ids, placeholder, [m.num_tokens for m in media]).token_ids
 
     def count_chat_tokens(self, messages: list[dict[str, Any]]) -> int:
-        """The chat prompt's tokens as /v1/chat/completions encodes it (text messages only)."""
+        """The chat prompt's tokens as /v1/chat/completions encodes it (media tokens included)."""
         return len(self.prompt_ids(messages))
 
     def complete(self, prompt: Prompt, max_tokens: int) -> str:
         """The greedy completion of `prompt`, at most `max_tokens` tokens (EOS and stop tokens end it)."""
-        ids = self.prompt_ids(prompt)
-        if len(ids) + max_tokens > self.max_context:
-            raise ValueError(f"the prompt has {len(ids)} tokens; with max_tokens={max_tokens} it needs "
-                             f"{len(ids) + max_tokens}, more than max_context={self.max_context}")
-        return self.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens)).outputs[0].text
+        ids, media = self.prompt_inputs(prompt)
+        length = len(ids) + sum(m.num_tokens - 1 for m in media or ())  # each placeholder becomes num_tokens
+        if length + max_tokens > self.max_context:
+            raise ValueError(f"the prompt has {length} tokens; with max_tokens={max_tokens} it needs "
+                             f"{length + max_tokens}, more than max_context={self.max_context}")
+        return self.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), media).outputs[0].text
 
-    def generate(self, ids: Sequence[int], params: SamplingParams) -> RequestOutput:
+    def generate(self, ids: Sequence[int], params: SamplingParams,
+                 media: Sequence[ProcessedMedia] | None = None) -> RequestOutput:
         """Run one request to its end, batched with whatever other threads are running."""
         request_id = f"target-{next(self._ids)}"
         with self._lock:  # only the final output is kept: the engine builds no other
-            self.engine.add_request(request_id, list(ids), replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+            self.engine.add_request(request_id, list(ids), replace(params, output_kind=RequestOutputKind.FINAL_ONLY),
+                                    media=media)
         while True:
             with self._lock:
                 if request_id in self._finished:

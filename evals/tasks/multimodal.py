@@ -16,7 +16,7 @@ from k3ray.evals.tasks import images
 from k3ray.evals.tasks.base import Cell, Item, Task, cell_rng, pick_depth
 
 VIDEO_FORMATS = ("frames", "gif")
-_QUESTION = "What is the code on the white card? Answer with the digits only."
+QUESTION = "What is the code on the white card? Answer with the digits only."
 
 
 def _text(text: str) -> dict[str, Any]:
@@ -47,14 +47,28 @@ class ImageNeedle(Task):
         code, index, depth = _code_and_index(rng, cell)
         pictures = [images.scene(rng) for _ in range(cell.length)]
         pictures[index] = images.with_card(pictures[index], code)
-        content = [_text(f"Here are {cell.length} images. One of them shows a white card with a code of digits.")]
-        content += [_image(p) for p in pictures]
-        content.append(_text(_QUESTION))
-        return _chat_item(target, content, code, self.max_tokens, depth)
+        return _chat_item(target, image_messages(pictures), code, self.max_tokens, depth)
 
 
-def _chat_item(target: Target, content: list[dict[str, Any]], code: str, max_tokens: int, depth: float) -> Item:
-    messages = [{"role": "user", "content": content}]
+def image_messages(pictures: list) -> list[dict[str, Any]]:
+    """The chat an image needle sends: an intro, every picture as a PNG `image_url`, the question."""
+    intro = f"Here are {len(pictures)} images. One of them shows a white card with a code of digits."
+    return [{"role": "user", "content": [_text(intro), *(_image(p) for p in pictures), _text(QUESTION)]}]
+
+
+def video_messages(frames: list, video_format: str) -> list[dict[str, Any]]:
+    """The chat a video needle sends: the frames as `image_url` parts ("frames") or one GIF `video_url`."""
+    if video_format not in VIDEO_FORMATS:
+        raise ValueError(f"video_format must be one of {VIDEO_FORMATS}, got {video_format!r}")
+    intro = f"Here is a video of {len(frames)} frames. One frame shows a white card with a code of digits."
+    if video_format == "gif":
+        media = [{"type": "video_url", "video_url": {"url": images.gif_data_url(frames)}}]
+    else:
+        media = [_image(f) for f in frames]
+    return [{"role": "user", "content": [_text(intro), *media, _text(QUESTION)]}]
+
+
+def _chat_item(target: Target, messages: list[dict[str, Any]], code: str, max_tokens: int, depth: float) -> Item:
     return Item(messages, (code,), "all", max_tokens, count_chat_tokens(target, messages), depth)
 
 
@@ -75,14 +89,7 @@ class VideoNeedle(Task):
         code, index, depth = _code_and_index(rng, cell)
         frames = images.moving_frames(rng, cell.length)
         frames[index] = images.with_card(frames[index], code)
-        intro = f"Here is a video of {cell.length} frames. One frame shows a white card with a code of digits."
-        content = [_text(intro)]
-        if self.video_format == "gif":
-            content.append({"type": "video_url", "video_url": {"url": images.gif_data_url(frames)}})
-        else:
-            content += [_image(f) for f in frames]
-        content.append(_text(_QUESTION))
-        return _chat_item(target, content, code, self.max_tokens, depth)
+        return _chat_item(target, video_messages(frames, self.video_format), code, self.max_tokens, depth)
 
 
 def read(prompt: Prompt) -> str | None:

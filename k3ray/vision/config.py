@@ -80,6 +80,22 @@ class MediaConfig:
         base = dict(patch_size=vision.patch_size, merge_size=kh, frames_per_chunk=vision.pos_emb_time)
         return cls(**(base | overrides))
 
+    def to_preprocessor_config(self) -> dict[str, Any]:
+        """The `preprocessor_config.json` object `from_preprocessor_config` reads back as this config
+        (the `media_proc_cfg` keys; the byte and pixel limits are the server's, not the checkpoint's)."""
+        return {"media_proc_cfg": {
+            "patch_size": self.patch_size,
+            "merge_kernel_size": [self.merge_size, self.merge_size],
+            "in_patch_limit": self.max_patches,
+            "patch_limit_on_one_side": self.max_patches_per_side,
+            "in_patch_limit_each_frame": self.video_max_patches_per_frame,
+            "temporal_merge_kernel_size": self.frames_per_chunk,
+            "sample_fps": self.video_fps,
+            "max_num_frames_each_video": self.video_max_frames,
+            "image_mean": list(self.image_mean),
+            "image_std": list(self.image_std),
+        }}
+
     @classmethod
     def from_preprocessor_config(cls, data: dict[str, Any], **overrides: Any) -> "MediaConfig":
         """From a parsed `preprocessor_config.json` (`media_proc_cfg` nested or flat)."""

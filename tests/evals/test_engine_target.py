@@ -131,3 +131,39 @@ def test_the_eval_command_runs_its_engine_in_the_asked_dtype(tiny_checkpoint, tm
     executor = bf16.engine.executor
     assert executor.model.dtype == torch.bfloat16
     assert {t.dtype for t in executor.cache.mla_latent.values()} == {torch.bfloat16}
+
+
+def test_image_and_video_chats_go_to_the_vision_tower_as_llm_chat_sends_them(target, llm):
+    """The tiny checkpoint's tower (random weights): EngineTarget answers a card among images, and the
+    frames of a video as image parts and as a GIF, exactly as LLM.chat (the engine's own media path),
+    and counts what /tokenize counts (each image its merged tokens)."""
+    import random
+
+    from k3ray.evals.tasks import images, multimodal
+    from k3ray.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    pictures = [images.scene(rng) for _ in range(3)]
+    pictures[2] = images.with_card(pictures[2], "123456")
+    frames = images.moving_frames(rng, 5)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for messages in (multimodal.image_messages(pictures), multimodal.video_messages(frames, "frames"),
+                     multimodal.video_messages(frames, "gif")):
+        want = llm.chat(messages, params)[0]
+        assert target.complete(messages, MAX_TOKENS) == want.outputs[0].text
+        assert target.count_chat_tokens(messages) == len(want.prompt_token_ids)
+    ids, media = target.prompt_inputs(multimodal.image_messages(pictures))
+    assert len(media) == 3 and target.count_chat_tokens(multimodal.image_messages(pictures)) == \
+        len(ids) + sum(m.num_tokens - 1 for m in media)
+
+
+def test_media_on_a_text_model_and_audio_are_refused_by_name(target):
+    from k3ray.evals.tasks import images, multimodal
+
+    text_only = EngineTarget(LLM("k3-tiny-niah", max_model_len=1024))
+    messages = multimodal.image_messages([images.scene(__import__("random").Random(0))])
+    with pytest.raises(ValueError, match="has no vision tower"):
+        text_only.complete(messages, 4)
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]
+    with pytest.raises(ValueError, match="input_audio part: k3ray's models take no audio"):
+        target.complete(audio, 4)
