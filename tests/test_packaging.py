@@ -65,9 +65,11 @@ def test_wheel_ships_no_training_code_or_log(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if "k3ray_training" in n or "/fixture/" in n or n.startswith("k3ray/checkpoints/")
                 and n.endswith(".jsonl")]
-    shipped = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("k3ray/checkpoints/k3-tiny-niah/"))
-    assert shipped == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
-                       "tokenizer.json", "tokenizer_config.json"]
+    files = ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer_config.json"]
+    for name, extra in (("k3-tiny-niah", []), ("k3-tiny-vl", ["preprocessor_config.json"])):
+        shipped = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith(f"k3ray/checkpoints/{name}/"))
+        assert shipped == sorted(files + extra), name
 
 
 def test_every_module_imports_from_the_installed_wheel(wheel, tmp_path):

@@ -16,9 +16,11 @@ import random
 from PIL import Image, ImageChops, ImageDraw, ImageFont, ImageSequence
 
 SIZE = (160, 160)
-CARD = (12, 50, 148, 106)  # x0, y0, x1, y1 of the card, border included
+# x0, y0, x1, y1 of the card, border included. The image pads to 168 px, a 6 x 6 grid of K3's 28 px
+# merged tokens: the digits sit inside one token row (y 56-84), digit i inside token column i
+CARD = (1, 42, 159, 98)
 _BORDER = 2
-_TEXT_X, _TEXT_Y, _PITCH = 20, 60, 20
+_TEXT_X, _TEXT_Y, _PITCH = 10, 51, 26
 CODE_LENGTH = 6
 _FONT_SIZE = 28
 WHITE, BLACK = (255, 255, 255), (0, 0, 0)
@@ -71,7 +73,7 @@ def with_card(img: Image.Image, code: str) -> Image.Image:
 
 def _slot_box(i: int) -> tuple[int, int, int, int]:
     x = _TEXT_X + i * _PITCH
-    return (x, CARD[1] + _BORDER, x + _PITCH, CARD[3] - _BORDER)
+    return (x, CARD[1] + _BORDER, min(x + _PITCH, CARD[2] - _BORDER), CARD[3] - _BORDER)
 
 
 def _ink(img: Image.Image) -> bytes | None:

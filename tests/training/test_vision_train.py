@@ -3,7 +3,10 @@ media decoding, placeholder expansion), its cards say which tokens hold the digi
 lower the loss and resume exactly, and its export loads with its tower and image processor settings."""
 
 import json
+import os
+import pathlib
 import random
+import re
 
 import pytest
 import torch
@@ -73,7 +76,7 @@ def test_varied_cards_move_their_token_row_with_them():
 
 @pytest.mark.parametrize("kind", ["image@1", "image@4", "frames@4", "gif@6"])
 def test_items_are_the_prompts_the_engine_builds_and_name_the_cards_tokens(kind, source):
-    item = source.item(kind, random.Random(7), varied=False)
+    item = source.item(kind, random.Random(7))
     prompt, answer = item.example.prompt, source.tokenizer.decode(item.example.answer)
     assert answer.endswith("<|im_end|>") and images.read_code is not None
     code = answer.removesuffix("<|im_end|>")
@@ -148,3 +151,13 @@ def test_the_export_loads_with_its_tower_and_image_processor_settings(tmp_path):
     assert k3.model.config.vision == VL_VISION
     out = LLM(str(ckpt)).chat(multimodal.image_messages([images.with_card(images.scene(random.Random(1)), "111111")]))
     assert out[0].outputs[0].token_ids  # it answers an image chat
+
+
+def test_the_shipped_checkpoints_log_names_no_machine_path():
+    log = pathlib.Path(__file__).resolve().parents[2] / "training" / "k3-tiny-vl" / LOG_FILE
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    starts = [r["args"] for r in records if r.get("event") == "start"]
+    assert starts and starts[0]["init_from"] == "k3-tiny-niah"
+    paths = [a[k] for a in starts for k in ("out", "init_from", "export") if a.get(k)]
+    assert not [p for p in paths if os.path.isabs(p) or re.search(r"(^|/)(tmp|s\d+)(/|$)", p)]
+    assert records[-1]["step"] == starts[-1]["steps"] and "heldout_exact" in records[-1]

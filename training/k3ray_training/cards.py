@@ -4,7 +4,8 @@ image's merged tokens, so a training step can tell the tower which token should 
 
 A 160 x 160 image pads to 168 x 168: 12 x 12 patches of 14 px, merged 2 x 2 into a 6 x 6 grid of
 28 px tokens. The card's six digits map to the six tokens of the row holding the digits' centre,
-digit j to column j.
+digit j to column j: on the eval's card each digit lies inside its token; a varied card moves a few
+pixels off it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ DEJAVU = "/usr/share/fonts/truetype/dejavu/DejaVu{}.ttf"
 # the faces varied cards use where installed (the eval's card is always Pillow's bundled font)
 FACES = ("Sans", "Sans-Bold", "SansMono", "SansMono-Bold", "Serif", "Serif-Bold", "SansCondensed")
 EDGE_PX = 4
-EVAL_SHARE = 0.5  # of cards drawn exactly as the eval draws them
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,9 @@ def varied_card(img: Image.Image, code: str, rng: random.Random, faces: tuple[st
     return Card(out, code, _row_tokens(text_y + (top + bottom) / 2))
 
 
-def training_card(img: Image.Image, rng: random.Random, faces: tuple[str, ...]) -> Card:
+def training_card(img: Image.Image, rng: random.Random, faces: tuple[str, ...], varied_share: float) -> Card:
+    """A random code on the eval's card, or with probability `varied_share` on a varied one."""
     code = "".join(rng.choice("0123456789") for _ in range(images.CODE_LENGTH))
-    if rng.random() < EVAL_SHARE:
-        return eval_card(img, code)
-    return varied_card(img, code, rng, faces)
+    if varied_share and rng.random() < varied_share:
+        return varied_card(img, code, rng, faces)
+    return eval_card(img, code)

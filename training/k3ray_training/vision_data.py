@@ -57,17 +57,14 @@ def _chat(messages: list[dict], code: str, tokenizer: ByteTokenizer, media_confi
 
 
 def media_example(kind: str, count: int, rng: random.Random, tokenizer: ByteTokenizer, media_config: MediaConfig,
-                  placeholder: int, faces: tuple[str, ...] | None) -> VisionExample:
-    """faces None: the eval's own card; else a training card (half the eval's, half varied in these faces)."""
+                  placeholder: int, faces: tuple[str, ...], varied_share: float) -> VisionExample:
+    """A card among `count` images or frames: the eval's card, or with probability `varied_share` a varied one."""
     index = rng.randrange(count)
     if kind == "image":
         pictures = [images.scene(rng) for _ in range(count)]
     else:
         pictures = images.moving_frames(rng, count)
-    if faces is None:
-        card = cards.eval_card(pictures[index], "".join(rng.choice("0123456789") for _ in range(images.CODE_LENGTH)))
-    else:
-        card = cards.training_card(pictures[index], rng, faces)
+    card = cards.training_card(pictures[index], rng, faces, varied_share)
     pictures[index] = card.image
     if kind == "image":
         messages = multimodal.image_messages(pictures)
@@ -91,8 +88,8 @@ def text_example(kind: str, rng: random.Random, tokenizer: ByteTokenizer) -> Vis
 
 
 def make_item(spec: str, rng: random.Random, tokenizer: ByteTokenizer, media_config: MediaConfig,
-              placeholder: int, faces: tuple[str, ...] | None) -> VisionExample:
+              placeholder: int, faces: tuple[str, ...], varied_share: float = 0.0) -> VisionExample:
     kind, count = parse_kind(spec)
     if count:
-        return media_example(kind, count, rng, tokenizer, media_config, placeholder, faces)
+        return media_example(kind, count, rng, tokenizer, media_config, placeholder, faces, varied_share)
     return text_example(kind, rng, tokenizer)

@@ -8,8 +8,11 @@ item goes through the engine's own chat template, media decoding and placeholder
 (vision_data); autograd runs through k3ray's tower and the text model's training paths.
 
 Loss: cross-entropy on the answer (the code, then <|im_end|>), plus `--digit-weight` times a
-cosine loss asking the card's six digit tokens (cards.Card.tokens) to point along the text
-embeddings of their digits. Seeded (step s's items depend only on (seed, s)), resumable (rerun the
+digit loss: each of the card's six digit tokens (cards.Card.tokens) classified among the ten
+digits by its cosine to their text embeddings (so the tower learns to read, and writes each digit
+where the text model reads digits). The answer's gradient reaches the tower scaled by
+`--answer-to-tower`: unscaled, it is 3 to 20 times the digit loss's there (measured at the start)
+and drowns it, and the tower never learns to read. Seeded (step s's items depend only on (seed, s)), resumable (rerun the
 command), logged to OUT/train_log.jsonl with a teacher-forced held-out exact match per kind.
 """
 
@@ -39,17 +42,25 @@ from k3ray_training import cards, vision_data  # noqa: E402
 from k3ray_training.export import export_checkpoint  # noqa: E402
 from k3ray_training.init_weights import initial_weights  # noqa: E402
 from k3ray_training.model import balance_experts, cosine_lr, niah_config, train_logits, trainable_model  # noqa: E402
-from k3ray_training.train import BALANCE_RATE, batch_tensors, logged_args, parse_shares, resume_log  # noqa: E402
+from k3ray_training.train import (  # noqa: E402
+    BALANCE_RATE,
+    LOG_FILE,
+    STATE_FILE,
+    batch_tensors,
+    logged_args,
+    parse_shares,
+    resume_log,
+)
 from k3ray_training.vision_data import VisionExample  # noqa: E402
 
-STATE_FILE = "train_state.pt"
-LOG_FILE = "train_log.jsonl"
 # the tower: 3 blocks of width 128 (4 heads of 32), a 12 x 12 position table (a 160 px image's patch grid)
 VL_VISION = VisionConfig(hidden_size=128, num_layers=3, num_heads=4, qkv_hidden_size=128, intermediate_size=256,
                          pos_emb_height=12, pos_emb_width=12, pos_emb_time=4, projector_hidden_size=512,
                          text_hidden_size=128)
 DEFAULT_MIX = ("image@1=2,image@2,image@4,image@8,frames@8,frames@16,gif@8,gif@16,"
                "niah@ruler+chat=0.5,niah=0.5")
+DIGITS = tuple(range(ord("0"), ord("9") + 1))  # the byte tokenizer's digit ids
+DIGIT_SCALE = 10.0  # cosine -> logit: a margin the softmax can resolve
 HELDOUT_KINDS = ("image@1", "image@2", "image@4", "image@8", "frames@8", "frames@16", "gif@8", "gif@16",
                  "niah@ruler+chat")
 
@@ -68,8 +79,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens-per-step", type=int, default=3072)
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate of the text model")
     p.add_argument("--vision-lr", type=float, default=2e-3, help="peak learning rate of the tower and projector")
-    p.add_argument("--digit-weight", type=float, default=0.5,
-                   help="weight of the loss pointing the card's digit tokens at their digits' text embeddings")
+    p.add_argument("--digit-weight", type=float, default=1.0,
+                   help="weight of the loss classifying each card digit token by its cosine to the digits' text "
+                        "embeddings")
+    p.add_argument("--answer-to-tower", type=float, default=0.02,
+                   help="the share of the answer loss's gradient that reaches the tower and projector")
+    p.add_argument("--varied-cards", type=float, default=0.2, metavar="P",
+                   help="the share of cards drawn varied (face, size, colours, position) rather than as the eval draws them")
+    p.add_argument("--varied-from", type=int, default=300,
+                   help="the step varied cards start at (before it the tower learns the eval's card alone)")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)
@@ -97,24 +115,24 @@ class Data:
         self.placeholder = self.tokenizer.media_placeholder_token_id
         self.faces = cards.installed_faces()
 
-    def item(self, kind: str, rng: random.Random, varied: bool = True) -> VisionExample:
-        return vision_data.make_item(kind, rng, self.tokenizer, self.media, self.placeholder,
-                                     self.faces if varied else None)
+    def item(self, kind: str, rng: random.Random, varied_share: float = 0.0) -> VisionExample:
+        return vision_data.make_item(kind, rng, self.tokenizer, self.media, self.placeholder, self.faces, varied_share)
 
 
 def step_items(args: argparse.Namespace, step: int, source: Data) -> list[VisionExample]:
     rng = random.Random(f"vl:{args.seed}:{step}")
+    varied = args.varied_cards if step >= args.varied_from else 0.0
     kinds, shares = zip(*args.kind_mix.items())
     items, tokens = [], 0
     while tokens < args.tokens_per_step:
-        items.append(source.item(rng.choices(kinds, shares)[0], rng))
+        items.append(source.item(rng.choices(kinds, shares)[0], rng, varied))
         tokens += len(items[-1].example.prompt) + len(items[-1].example.answer)
     return items
 
 
 def heldout_items(args: argparse.Namespace, source: Data) -> list[VisionExample]:
     """Fixed items of each held-out kind, with the eval's own card."""
-    return [source.item(kind, random.Random(f"heldout:{args.seed}:{kind}:{i}"), varied=False)
+    return [source.item(kind, random.Random(f"heldout:{args.seed}:{kind}:{i}"))
             for kind in HELDOUT_KINDS for i in range(args.heldout_per_kind)]
 
 
@@ -131,28 +149,31 @@ def groups(items: list[VisionExample], max_tokens: int) -> list[list[VisionExamp
 
 
 def group_logits(model, vision: K3VisionModel, group: list[VisionExample], pad: int,
-                 loads: dict[int, torch.Tensor] | None = None):
-    """(answer-row logits [R, V], the batch, digit cosine losses [K]) of one micro-batch."""
+                 loads: dict[int, torch.Tensor] | None = None, answer_to_tower: float = 1.0):
+    """(answer-row logits [R, V], the batch, digit losses [K], digit hits [K]) of one micro-batch."""
     device = next(model.parameters()).device
     batch = batch_tensors([v.example for v in group], pad, prompt_labels=False)
     B, T = batch.ids.shape
     ids = batch.ids.to(device)
     embeds = model.embed(ids)  # [B, T, D]
-    digit_losses = torch.zeros(0, device=device)
+    digit_losses, digit_hits = torch.zeros(0, device=device), torch.zeros(0, dtype=torch.bool)
     media = [m for v in group for m in v.media]
     if media:
         pixels, grid_thws = pack_media(media)
         encoded = vision(pixels.to(device), checked_grid(vision.config, pixels, grid_thws))  # [M, D]
         flat = torch.cat([b * T + v.media_positions for b, v in enumerate(group)]).to(device)  # [M]
-        embeds = embeds.flatten(0, 1).index_copy(0, flat, encoded.to(embeds.dtype)).view(B, T, -1)
+        to_text = answer_to_tower * encoded + (1 - answer_to_tower) * encoded.detach()  # the same values
+        embeds = embeds.flatten(0, 1).index_copy(0, flat, to_text.to(embeds.dtype)).view(B, T, -1)
         row_of = {pos: i for i, pos in enumerate(flat.tolist())}
         rows = [row_of[b * T + p] for b, v in enumerate(group) for p in v.digit_positions]
-        digits = [d for v in group for d in v.digit_ids]
         if rows:
-            target = model.model.embed_tokens.weight[torch.tensor(digits, device=device)].detach()  # [K, D]
-            digit_losses = 1 - F.cosine_similarity(encoded[torch.tensor(rows, device=device)], target, dim=-1)
+            digits = torch.tensor([DIGITS.index(d) for v in group for d in v.digit_ids], device=device)  # [K]
+            table = F.normalize(model.model.embed_tokens.weight[torch.tensor(DIGITS, device=device)].detach(), dim=-1)
+            scores = DIGIT_SCALE * F.normalize(encoded[torch.tensor(rows, device=device)], dim=-1) @ table.T  # [K, 10]
+            digit_losses = F.cross_entropy(scores, digits, reduction="none")
+            digit_hits = (scores.argmax(-1) == digits).cpu()
     logits = train_logits(model, ids, batch.rows.to(device), loads, embeds=embeds)
-    return logits, batch, digit_losses
+    return logits, batch, digit_losses, digit_hits
 
 
 def item_of_rows(group: list[VisionExample]) -> torch.Tensor:
@@ -166,7 +187,7 @@ def heldout_scores(model, vision, items: list[VisionExample], pad: int) -> dict[
     model.eval(), vision.eval()
     hits: dict[str, list[bool]] = {}
     for group in groups(items, 4096):
-        logits, batch, _ = group_logits(model, vision, group, pad)
+        logits, batch, _, _ = group_logits(model, vision, group, pad)
         right, owner = logits.argmax(-1).cpu() == batch.labels, item_of_rows(group)
         for b, v in enumerate(group):
             hits.setdefault(v.example.task, []).append(bool(right[owner == b].all()))
@@ -203,15 +224,15 @@ def build(args: argparse.Namespace, device: torch.device):
 
 
 def train_step(model, vision, items: list[VisionExample], pad: int, digit_weight: float,
-               max_tokens: int) -> tuple[float, float, dict[str, float]]:
+               max_tokens: int, answer_to_tower: float = 1.0) -> tuple[float, float, float, dict[str, float]]:
     """Backward of mean(answer-row losses) + digit_weight * mean(digit losses) over the step's items,
-    a micro-batch at a time; returns (answer loss, digit loss, answer loss per kind)."""
+    a micro-batch at a time; returns (answer loss, digit loss, digit accuracy, answer loss per kind)."""
     n_rows = sum(len(v.example.answer) for v in items)
     n_digits = sum(len(v.digit_ids) for v in items)
     loads: dict[int, torch.Tensor] = {}
-    total, digit_total, per_kind = 0.0, 0.0, {}
+    total, digit_total, digit_right, per_kind = 0.0, 0.0, 0, {}
     for group in groups(items, max_tokens):
-        logits, batch, digit_losses = group_logits(model, vision, group, pad, loads)
+        logits, batch, digit_losses, digit_hits = group_logits(model, vision, group, pad, loads, answer_to_tower)
         losses = F.cross_entropy(logits, batch.labels.to(logits.device), reduction="none")  # [R]
         part = losses.sum() / n_rows
         if n_digits and digit_weight:
@@ -222,8 +243,10 @@ def train_step(model, vision, items: list[VisionExample], pad: int, digit_weight
             per_kind.setdefault(v.example.task, []).append(losses[(owner == b).to(losses.device)].mean().item())
         total += losses.sum().item()
         digit_total += digit_losses.sum().item()
+        digit_right += int(digit_hits.sum())
     balance_experts(model, loads, BALANCE_RATE)
-    return total / n_rows, digit_total / max(n_digits, 1), {k: round(sum(x) / len(x), 4) for k, x in per_kind.items()}
+    n = max(n_digits, 1)
+    return total / n_rows, digit_total / n, digit_right / n, {k: round(sum(x) / len(x), 4) for k, x in per_kind.items()}
 
 
 def train(args: argparse.Namespace) -> Path:
@@ -254,19 +277,20 @@ def train(args: argparse.Namespace) -> Path:
                 group["lr"] = cosine_lr(step, args.steps, group["peak"], args.warmup)
             items = step_items(args, step, source)
             optimizer.zero_grad(set_to_none=True)
-            loss, digit_loss, per_kind = train_step(model, vision, items, pad, args.digit_weight,
-                                                    args.tokens_per_step)
+            loss, digit_loss, digit_acc, per_kind = train_step(model, vision, items, pad, args.digit_weight,
+                                                               args.tokens_per_step, args.answer_to_tower)
             torch.nn.utils.clip_grad_norm_([*model.parameters(), *vision.parameters()], 1.0)
             optimizer.step()
             done = step + 1
             record = {"step": done, "loss": round(loss, 4), "digit_loss": round(digit_loss, 4),
+                      "digit_accuracy": round(digit_acc, 3),
                       "items": len(items), "seconds": round(time.time() - began, 1), "task_loss": per_kind}
             if done % args.eval_every == 0 or done == args.steps:
                 last_score = heldout_scores(model, vision, heldout, pad)
                 record["heldout_exact"] = {k: round(v, 3) for k, v in last_score.items()}
             log.write(json.dumps(record) + "\n")
             log.flush()
-            bar.set_postfix(loss=f"{loss:.3f}", digit=f"{digit_loss:.3f}",
+            bar.set_postfix(loss=f"{loss:.3f}", digit=f"{digit_acc:.2f}",
                             **{k.replace("@", ""): f"{v:.2f}" for k, v in last_score.items()})
             if done % args.save_every == 0 or done == stop:
                 save_state(out / STATE_FILE, model, vision, optimizer, done)
