@@ -89,7 +89,8 @@ class EngineTarget:
         if not self.engine.supports_media:
             raise ValueError(f"the prompt holds images or videos but {self.name} has no vision tower")
         multimodal = self.engine.multimodal
-        return ids, media_from_messages(messages, multimodal.media, max_items=multimodal.max_items_per_prompt)
+        return ids, media_from_messages(messages, multimodal.media, max_items=multimodal.max_items_per_prompt,
+                                        local_root=multimodal.allowed_local_media_path)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The ids the model sees, media placeholders expanded to their token counts (as /tokenize)."""

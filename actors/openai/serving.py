@@ -148,7 +148,8 @@ class OpenAIServing:
         mm = self.info.multimodal
         fetch = self._fetch if mm.allow_remote_urls else None
         try:
-            return media_from_messages(dicts, mm.media, fetch=fetch, max_items=mm.max_items_per_prompt)
+            return media_from_messages(dicts, mm.media, fetch=fetch, max_items=mm.max_items_per_prompt,
+                                       local_root=mm.allowed_local_media_path)
         except MediaInputError as e:
             raise bad_request(str(e), e.param, "invalid_media") from e
 

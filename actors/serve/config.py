@@ -191,6 +191,8 @@ class MediaSettings(Settings):
         None, ge=1, description="decoded pixels per request, summed over all its images and video frames (each "
         "checked before it is decoded); null = the checkpoint's media config (2^28)")
     media_fetch_timeout_s: float = Field(10.0, gt=0, description="per remote media URL")
+    allowed_local_media_path: str | None = Field(
+        None, description="a folder whose files chat requests may name as file:// image/video URLs; null = none may")
 
 
 class DisaggregationSettings(Settings):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import os
 
 import torch
 
@@ -57,6 +58,7 @@ def multimodal_config(args: ServeArgs, vision: VisionConfig) -> MultiModalConfig
         max_items_per_prompt=m.max_media_per_prompt,
         allow_remote_urls=m.allow_remote_media_urls,
         fetch_timeout_s=m.media_fetch_timeout_s,
+        allowed_local_media_path=m.allowed_local_media_path and os.path.abspath(m.allowed_local_media_path),
     )
 
 

@@ -120,8 +120,9 @@ class LLM:
             ids = self.tokenizer.encode_chat(conversation, add_generation_prompt, continue_final_message)
             media = None
             if media_parts(conversation):
-                media = media_from_messages(conversation, self._media_config(),
-                                            max_items=self.engine.multimodal.max_items_per_prompt)
+                multimodal = self.engine.multimodal
+                media = media_from_messages(conversation, self._media_config(), max_items=multimodal.max_items_per_prompt,
+                                            local_root=multimodal.allowed_local_media_path)
             inputs.append((ids, media))
         return self._run(inputs, sampling_params)
 

@@ -6,13 +6,15 @@ Chat parts, in placeholder order (the order `render_chat` emits them):
     {"type": "video_url", "video_url": {"url": "data:image/gif;base64,..."}}      animated GIF / APNG / WebP
     {"type": "video_url", "video_url": {"url": ["data:image/png;base64,...", ...]}}   the frames of a video
 A plain string in place of the {"url": ...} object is accepted too. http(s) URLs need a `fetch`
-callable (the server's, when remote URLs are enabled); nothing here touches the network.
+callable (the server's, when remote URLs are enabled); nothing here touches the network. file://
+URLs are read only under an allowed local folder (vLLM's `--allowed-local-media-path`), off by default.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +31,14 @@ Fetch = Callable[[str], bytes]
 @dataclass(frozen=True)
 class MultiModalConfig:
     """How an engine takes media: preprocessing (None: the tower's defaults), how many items one
-    prompt may hold, and whether a server may fetch http(s) media URLs."""
+    prompt may hold, whether a server may fetch http(s) media URLs, and the folder file:// media URLs
+    may be read from (None: none may)."""
 
     media: MediaConfig | None = None
     max_items_per_prompt: int = 128
     allow_remote_urls: bool = False
     fetch_timeout_s: float = 10.0
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_items_per_prompt, bool) or not isinstance(self.max_items_per_prompt, int) \
@@ -42,6 +46,9 @@ class MultiModalConfig:
             raise ValueError(f"max_items_per_prompt must be a positive int, got {self.max_items_per_prompt!r}")
         if not self.fetch_timeout_s > 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s!r}")
+        root = self.allowed_local_media_path
+        if root is not None and not (isinstance(root, str) and os.path.isabs(root) and os.path.isdir(root)):
+            raise ValueError(f"allowed_local_media_path must be an absolute path to a folder, got {root!r}")
 
 
 class MediaInputError(ValueError):
@@ -95,10 +102,36 @@ def media_parts(messages: Sequence[dict]) -> list[MediaPart]:
     return out
 
 
-def _url_bytes(url: Any, part: MediaPart, config: MediaConfig, fetch: Fetch | None) -> bytes:
+def _local_bytes(url: str, part: MediaPart, config: MediaConfig, local_root: str | None) -> bytes:
+    """A file:// URL's bytes, if the file lies under `local_root` (symlinks resolved)."""
+    if local_root is None:
+        raise MediaInputError(f"local {part.part_type} files (file:// URLs) are not allowed here: send the media "
+                              "inline as a base64 data: URL, or allow a folder (--allowed-local-media-path)", part.where)
+    parsed = urllib.parse.urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise MediaInputError(f"{part.part_type} {url[:80]!r}: a file:// URL names no host", part.where)
+    path = os.path.realpath(urllib.parse.unquote(parsed.path))
+    root = os.path.realpath(local_root)
+    if os.path.commonpath([path, root]) != root:
+        raise MediaInputError(f"{part.part_type} {url[:80]!r} lies outside the allowed local media folder",
+                              part.where)
+    try:
+        if os.path.getsize(path) > config.max_input_bytes:
+            raise MediaInputError(f"{part.part_type} {url[:80]!r} exceeds the limit of {config.max_input_bytes} bytes",
+                                  part.where)
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as e:
+        raise MediaInputError(f"{part.part_type} {url[:80]!r} could not be read: {e.strerror}", part.where) from e
+
+
+def _url_bytes(url: Any, part: MediaPart, config: MediaConfig, fetch: Fetch | None,
+               local_root: str | None = None) -> bytes:
     if not isinstance(url, str):
         raise MediaInputError(f"{part.part_type} URL is not supported: expected a string, got {type(url).__name__}",
                               part.where)
+    if url.startswith("file:"):
+        return _local_bytes(url, part, config, local_root)
     if url.startswith(("http://", "https://")):
         if fetch is None:
             raise MediaInputError(
@@ -118,7 +151,8 @@ def _url_bytes(url: Any, part: MediaPart, config: MediaConfig, fetch: Fetch | No
         raise MediaInputError(f"{part.part_type} URL is not supported: {e}", part.where) from e
 
 
-def _part_media(part: MediaPart, config: MediaConfig, fetch: Fetch | None, budget: PixelBudget) -> ProcessedMedia:
+def _part_media(part: MediaPart, config: MediaConfig, fetch: Fetch | None, budget: PixelBudget,
+                local_root: str | None) -> ProcessedMedia:
     value = part.value
     url = value.get("url") if isinstance(value, dict) else value
     if url is None:
@@ -128,9 +162,9 @@ def _part_media(part: MediaPart, config: MediaConfig, fetch: Fetch | None, budge
             raise MediaInputError(f"{part.part_type} 'url' must be one URL, got a list", part.where)
         if not url:
             raise MediaInputError("video_url frame list is empty", part.where)
-        data: bytes | list[bytes] = [_url_bytes(u, part, config, fetch) for u in url]
+        data: bytes | list[bytes] = [_url_bytes(u, part, config, fetch, local_root) for u in url]
     else:
-        data = _url_bytes(url, part, config, fetch)
+        data = _url_bytes(url, part, config, fetch, local_root)
     try:
         return preprocess_media(part.kind, data, config, budget=budget)
     except ValueError as e:
@@ -138,15 +172,15 @@ def _part_media(part: MediaPart, config: MediaConfig, fetch: Fetch | None, budge
 
 
 def media_from_messages(messages: Sequence[dict], config: MediaConfig, *, fetch: Fetch | None = None,
-                        max_items: int | None = None) -> list[ProcessedMedia]:
+                        max_items: int | None = None, local_root: str | None = None) -> list[ProcessedMedia]:
     """Decode and preprocess every image / video part of a conversation, in placeholder order, at
-    most config.max_request_pixels decoded pixels in all."""
+    most config.max_request_pixels decoded pixels in all; file:// URLs are read under `local_root` only."""
     parts = media_parts(messages)
     if max_items is not None and len(parts) > max_items:
         raise MediaInputError(f"the conversation holds {len(parts)} images / videos; at most {max_items} "
                               "are allowed per request", "messages")
     budget = PixelBudget(config.max_request_pixels)
-    return [_part_media(part, config, fetch, budget) for part in parts]
+    return [_part_media(part, config, fetch, budget, local_root) for part in parts]
 
 
 def media_from_multi_modal_data(data: dict, config: MediaConfig) -> list[ProcessedMedia]:

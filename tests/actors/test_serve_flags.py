@@ -33,7 +33,7 @@ FLAGS = {
     "--served-model-name", "--model", "--dtype", "--tokenizer", "--pipeline", "--expert-parallel", "--replica-cpus",
     "--stage-cpus", "--shard-cpus", "--router-cpus", "--stage-gpus", "--shard-gpus", "--replica-gpus",
     "--vision-cpus", "--vision-gpus", "--allow-remote-media-urls", "--max-media-bytes", "--max-media-per-prompt",
-    "--media-fetch-timeout-s", "--placement-strategy", "--moe-dispatch", "--threads", "--engine-process",
+    "--media-fetch-timeout-s", "--allowed-local-media-path", "--placement-strategy", "--moe-dispatch", "--threads", "--engine-process",
     "--min-replicas", "--max-replicas", "--initial-replicas", "--target-ongoing-requests", "--upscale-delay-s",
     "--downscale-delay-s", "--metrics-interval-s", "--look-back-period-s", "--max-ongoing-requests",
     "--max-queued-requests", "--retry-after-s", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
