@@ -45,14 +45,18 @@ def multikey_floors() -> dict[int, float]:
     return MULTIKEY_FLOORS
 
 
-@pytest.fixture(scope="session")
-def trained_checkpoint() -> str:
-    """The shipped k3-tiny-niah's name; its tests skip until it is trained into the package."""
+def shipped_or_skip(name: str) -> str:
+    """A shipped checkpoint's name; its tests skip until it is trained into the package."""
     try:
-        shipped_checkpoint_dir("k3-tiny-niah")
+        shipped_checkpoint_dir(name)
     except ValueError as e:
         pytest.skip(str(e))
-    return "k3-tiny-niah"
+    return name
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint() -> str:
+    return shipped_or_skip("k3-tiny-niah")
 
 
 @pytest.fixture(scope="session")
@@ -125,3 +129,55 @@ def forms_of(trained_grid):
 def variant_forms(plain_niah, forms_of, tmp_path_factory) -> dict[str, dict[str, str]]:
     """forms_of plain_niah's engine, run once for the session: what every engine variant must predict."""
     return forms_of(plain_niah.target, tmp_path_factory.mktemp("plain-forms"))
+
+
+# k3-tiny-vl (issue 49's bars: exact match of the code, seed 0, 3 depths x MM_SAMPLES): task -> length
+# (images or frames) -> the lowest score the shipped checkpoint may reach; a broken media path scores ~0
+MM_FLOORS = {"image_niah": {1: 0.9, 2: 0.9, 4: 0.9, 8: 0.9}, "video_niah": {8: 0.9, 16: 0.9},
+             "video_niah_gif": {8: 0.9, 16: 0.9}}
+MM_SAMPLES = 4
+VL_ENGINE = {"max_model_len": 2048, "cache_memory_bytes": 64 << 20}
+
+
+@pytest.fixture(scope="session")
+def mm_floors() -> dict[str, dict[int, float]]:
+    return MM_FLOORS
+
+
+@pytest.fixture(scope="session")
+def vl_engine() -> dict:
+    """The in-process engine's options for k3-tiny-vl."""
+    return VL_ENGINE
+
+
+@pytest.fixture(scope="session")
+def vl_checkpoint() -> str:
+    return shipped_or_skip("k3-tiny-vl")
+
+
+@dataclass(frozen=True)
+class MediaGrid:
+    scores: dict[tuple[str, int], float]  # (task, length) -> exact match
+    predictions: dict[str, str]  # cell key -> prediction
+
+
+@pytest.fixture(scope="session")
+def mm_grid(trained_grid):
+    """`mm_grid(target, out, floors=MM_FLOORS, samples=MM_SAMPLES)` -> MediaGrid of the tasks and lengths
+    `floors` names, depths 0/50/100, seed 0, no failed cell."""
+
+    def run(target, out, floors: dict[str, dict[int, float]] = MM_FLOORS, samples: int = MM_SAMPLES) -> MediaGrid:
+        scores, predictions = {}, {}
+        for task, lengths in floors.items():
+            by_length, got = trained_grid(target, out / task, task, tuple(lengths), samples)
+            scores |= {(task, n): s for n, s in by_length.items()}
+            predictions |= got
+        return MediaGrid(scores, predictions)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def plain_mm(vl_checkpoint, mm_grid, tmp_path_factory) -> MediaGrid:
+    """The in-process engine's grid, run once for the session: every other path must predict it."""
+    return mm_grid(EngineTarget(LLM(vl_checkpoint, **VL_ENGINE)), tmp_path_factory.mktemp("plain-mm"))

@@ -67,7 +67,7 @@ def test_varied_cards_move_their_token_row_with_them():
         card = cards.varied_card(grey, "808080", rng, cards.installed_faces())
         row = card.tokens[0] // cards.GRID_SIDE
         rows.add(row)
-        text = card.image.convert("L").crop((images._TEXT_X, 0, images._TEXT_X + 6 * images._PITCH, images.SIZE[1]))
+        text = card.image.convert("L").crop((images.CARD[0] + 8, 0, images.CARD[2] - 8, images.SIZE[1]))  # no side border
         dark = [sum(text.getpixel((x, y)) < 100 for x in range(text.width)) / text.width for y in range(text.height)]
         ink = [y for y, share in enumerate(dark) if 0 < share < 0.9]  # the digits' rows (not the border's)
         assert row * cards.TOKEN_PX <= (min(ink) + max(ink)) / 2 < (row + 1) * cards.TOKEN_PX, seed
@@ -161,3 +161,10 @@ def test_the_shipped_checkpoints_log_names_no_machine_path():
     paths = [a[k] for a in starts for k in ("out", "init_from", "export") if a.get(k)]
     assert not [p for p in paths if os.path.isabs(p) or re.search(r"(^|/)(tmp|s\d+)(/|$)", p)]
     assert records[-1]["step"] == starts[-1]["steps"] and "heldout_exact" in records[-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_run_asked_for_cuda_on_a_machine_without_it_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="--device: device 'cuda' asks for CUDA"):
+        main(["--out", str(tmp_path / "run"), "--steps", "1", "--device", "cuda", *TINY_RUN])
+    assert not (tmp_path / "run").exists()

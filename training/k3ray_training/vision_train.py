@@ -32,8 +32,6 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from k3ray.config import VisionConfig  # noqa: E402
-from k3ray.device import resolve_device  # noqa: E402
-from k3ray.device_flags import DEVICE_CHOICES  # noqa: E402
 from k3ray.tokenizer import ByteTokenizer  # noqa: E402
 from k3ray.vision import MediaConfig  # noqa: E402
 from k3ray.vision.media import pack_media  # noqa: E402
@@ -46,9 +44,11 @@ from k3ray_training.train import (  # noqa: E402
     BALANCE_RATE,
     LOG_FILE,
     STATE_FILE,
+    add_run_flags,
     batch_tensors,
     logged_args,
     parse_shares,
+    prepare_run,
     resume_log,
 )
 from k3ray_training.vision_data import VisionExample  # noqa: E402
@@ -92,10 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--heldout-per-kind", type=int, default=4)
-    p.add_argument("--save-every", type=int, default=25)
-    p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
-    p.add_argument("--device", default="auto", metavar="{" + ",".join(DEVICE_CHOICES) + "}",
-                   help="where to train: cpu, cuda[:N] when a GPU is lent, or auto")
+    add_run_flags(p, save_every=25)
     args = p.parse_args(argv)
     try:
         args.kind_mix = parse_shares(args.mix, "mix", "image@4=1,gif@8=0.5")
@@ -250,15 +247,7 @@ def train_step(model, vision, items: list[VisionExample], pad: int, digit_weight
 
 
 def train(args: argparse.Namespace) -> Path:
-    try:
-        device = resolve_device(args.device)
-    except ValueError as e:
-        raise SystemExit(f"--device: {e}") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    device, out = prepare_run(args)
     model, vision, optimizer, start = build(args, device)
     source = Data(VL_VISION)
     pad = niah_config().pad_token_id
