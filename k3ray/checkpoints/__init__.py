@@ -6,6 +6,10 @@ knows only the shipped ones (the weights loader resolves their names through it)
 k3-tiny-niah: the tiny K3 trained for retrieval by the training program of a k3ray checkout
 (`training/`, not part of the package), which exported its weights, config and tokenizer into this
 folder. How it was trained (the stages' commands) and its training log are in training/README.md.
+
+k3-tiny-vl: k3-tiny-niah grown a MoonViT-V2 tower and projector, trained by the same folder's
+vision program to read the code card of `k3ray eval mm` in images and videos; it ships its image
+processor settings (preprocessor_config.json) beside config and tokenizer.
 """
 
 from __future__ import annotations
@@ -13,9 +17,13 @@ from __future__ import annotations
 import os
 from importlib import resources
 
-SHIPPED = ("k3-tiny-niah",)
-# run in a k3ray checkout's training/ folder: the program is not installed (its README has the stages)
-TRAIN_COMMAND = "cd training && python -m k3ray_training.train --out runs/k3-tiny-niah --export {path}"
+# name -> how to make it, run in a k3ray checkout's training/ folder: the programs are not installed
+# (training/README.md has the stages)
+TRAIN_COMMANDS = {
+    "k3-tiny-niah": "cd training && python -m k3ray_training.train --out runs/k3-tiny-niah --export {path}",
+    "k3-tiny-vl": "cd training && python -m k3ray_training.vision_train --out runs/k3-tiny-vl --export {path}",
+}
+SHIPPED = tuple(TRAIN_COMMANDS)
 
 
 def shipped_checkpoint_dir(name: str) -> str:
@@ -24,7 +32,7 @@ def shipped_checkpoint_dir(name: str) -> str:
     path = str(resources.files("k3ray.checkpoints") / name)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{name} is not in this build of k3ray; train and export it from a k3ray checkout with "
-                         f"`{TRAIN_COMMAND.format(path=path)}`")
+                         f"`{TRAIN_COMMANDS[name].format(path=path)}`")
     return path
 
 
