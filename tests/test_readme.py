@@ -43,6 +43,8 @@ def smaller(port: int) -> dict[str, str]:
         # the trained checkpoint's table: 90 prompts a task; here 6 (test_the_eval_commands_reproduce_their_tables
         # holds the commands as written to the table)
         "--lengths 1k,2k,4k --depths 0,50,100 --samples 10": "--lengths 1k,2k --depths 0,50,100 --samples 1",
+        # k3-tiny-vl's table: 108 prompts; here one depth and sample a length
+        "--depths 0,50,100 --samples 4": "--depths 50 --samples 1",
     }
 
 
