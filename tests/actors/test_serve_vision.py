@@ -162,7 +162,7 @@ def test_video_as_an_animated_gif_or_a_frame_list(client, llm):
 
 @pytest.mark.parametrize("part, words", [
     (image_part("https://example.com/cat.png"), ["remote image_url URLs are not supported", "data: URL"]),
-    (image_part("file:///etc/passwd"), ["image_url URL is not supported", "data:"]),
+    (image_part("file:///etc/passwd"), ["(file:// URLs) are not allowed here", "data:", "--allowed-local-media-path"]),
     (image_part("data:image/png;base64,%%%not-base64%%%"), ["not valid base64"]),
     (image_part(data_url(b"definitely not an image")), ["could not be read", "cannot decode"]),
     (image_part(data_url(huge_png_header())), ["pixels"]),
