@@ -39,6 +39,14 @@ def source() -> Data:
     return Data(VL_VISION)
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A one-step run's export (the tower, its settings, the text model)."""
+    root = tmp_path_factory.mktemp("vl")
+    main(["--out", str(root / "run"), "--steps", "1", "--export", str(root / "ckpt"), *TINY_RUN])
+    return root / "ckpt"
+
+
 def _log(run) -> list[dict]:
     return [json.loads(line) for line in (run / LOG_FILE).read_text().splitlines()]
 
@@ -90,11 +98,10 @@ def test_items_are_the_prompts_the_engine_builds_and_name_the_cards_tokens(kind,
     assert item.example.task == kind and count >= 1 and kind_name in vision_data.MEDIA_KINDS
 
 
-def test_training_prompts_equal_the_in_process_targets(tmp_path, source):
+def test_training_prompts_equal_the_in_process_targets(exported, source):
     """A checkpoint exported with the tower: EngineTarget (the eval's in-process path) encodes the
     eval's messages to the ids training builds for the same pictures."""
-    main(["--out", str(tmp_path / "run"), "--steps", "1", "--export", str(tmp_path / "ckpt"), *TINY_RUN])
-    target = EngineTarget(LLM(str(tmp_path / "ckpt"), max_model_len=2048))
+    target = EngineTarget(LLM(str(exported), max_model_len=2048))
     rng = random.Random(3)
     pictures = [images.scene(rng) for _ in range(3)]
     pictures[1] = images.with_card(pictures[1], "123456")
@@ -123,23 +130,22 @@ def test_bad_kinds_are_refused():
 
 def test_a_few_steps_lower_the_loss_and_resume_exactly(tmp_path):
     whole, halves = tmp_path / "whole", tmp_path / "halves"
-    main(["--out", str(whole), "--steps", "6", *TINY_RUN])
+    main(["--out", str(whole), "--steps", "4", *TINY_RUN])
     losses = _losses(whole)
-    assert len(losses) == 6
+    assert len(losses) == 4
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2, losses
     assert all(r["digit_loss"] > 0 for r in _log(whole) if "loss" in r)
     assert any("heldout_exact" in r for r in _log(whole))
-    main(["--out", str(halves), "--steps", "6", "--stop-at", "3", *TINY_RUN])
-    assert len(_losses(halves)) == 3
-    main(["--out", str(halves), "--steps", "6", *TINY_RUN])
+    main(["--out", str(halves), "--steps", "4", "--stop-at", "2", *TINY_RUN])
+    assert len(_losses(halves)) == 2
+    main(["--out", str(halves), "--steps", "4", *TINY_RUN])
     assert _losses(halves) == pytest.approx(losses, rel=1e-3)
     state = torch.load(halves / STATE_FILE, weights_only=True)
-    assert state["step"] == 6 and any(k.startswith("vision_tower.") for k in state["vision"])
+    assert state["step"] == 4 and any(k.startswith("vision_tower.") for k in state["vision"])
 
 
-def test_the_export_loads_with_its_tower_and_image_processor_settings(tmp_path):
-    main(["--out", str(tmp_path / "run"), "--steps", "1", "--export", str(tmp_path / "ckpt"), *TINY_RUN])
-    ckpt = tmp_path / "ckpt"
+def test_the_export_loads_with_its_tower_and_image_processor_settings(exported):
+    ckpt = exported
     hf = json.loads((ckpt / "config.json").read_text())
     assert hf["vision_config"]["vt_hidden_size"] == VL_VISION.hidden_size
     assert hf["quantization_config"]["format"] == "mxfp4-pack-quantized"
