@@ -6,10 +6,11 @@ OpenAI server gives for the same checkpoint, without HTTP.
 
 Text prompts are encoded as the server's /tokenize and /v1/completions encode them (special-token
 strings become special ids); chat prompts go through the tokenizer's chat template with a
-generation prompt, as /v1/chat/completions does; their image_url / video_url parts (base64 data:
-URLs) go to the engine's vision tower when the checkpoint has one, as the server sends them. Calls from several threads share the engine:
-each waiting caller steps it in turn, so concurrent cells are batched together; a step that fails
-fails every call in it with the cause.
+generation prompt, as /v1/chat/completions does; their image_url / video_url parts go to the
+engine's vision tower when the checkpoint has one, read under the engine's media settings as the
+server reads them. Calls from several threads share the engine: each waiting caller steps it in
+turn, so concurrent cells are batched together; a step that fails fails every call in it with the
+cause.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from k3ray.engine.llm import LLM
-from k3ray.engine.media_inputs import media_from_messages, media_parts
+from k3ray.engine.media_inputs import media_parts
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.step_or_abort import step_or_abort
@@ -88,9 +89,7 @@ class EngineTarget:
             return ids, None
         if not self.engine.supports_media:
             raise ValueError(f"the prompt holds images or videos but {self.name} has no vision tower")
-        multimodal = self.engine.multimodal
-        return ids, media_from_messages(messages, multimodal.media, max_items=multimodal.max_items_per_prompt,
-                                        local_root=multimodal.allowed_local_media_path)
+        return ids, self.engine.multimodal.read_media(messages)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The ids the model sees, media placeholders expanded to their token counts (as /tokenize)."""

@@ -33,7 +33,7 @@ from k3ray.actors.openai.protocol import (
 from k3ray.actors.openai.tools import ToolPlan, tool_calls_error_message
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
-from k3ray.engine.media_inputs import MediaInputError, media_from_messages, media_parts
+from k3ray.engine.media_inputs import MediaInputError, media_parts
 from k3ray.engine.outputs import FinishTally, OutputAccumulator, RequestOutput
 from k3ray.engine.structured_output import check_grammar  # xgrammar: imported with the server, not on a request
 from k3ray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -148,8 +148,7 @@ class OpenAIServing:
         mm = self.info.multimodal
         fetch = self._fetch if mm.allow_remote_urls else None
         try:
-            return media_from_messages(dicts, mm.media, fetch=fetch, max_items=mm.max_items_per_prompt,
-                                       local_root=mm.allowed_local_media_path)
+            return mm.read_media(dicts, fetch)
         except MediaInputError as e:
             raise bad_request(str(e), e.param, "invalid_media") from e
 

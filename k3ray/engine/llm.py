@@ -31,7 +31,6 @@ from k3ray.engine.media import VisionEncoderFn, local_vision_encoder
 from k3ray.engine.media_inputs import (
     MultiModalConfig,
     load_media_config,
-    media_from_messages,
     media_from_multi_modal_data,
     media_parts,
 )
@@ -120,9 +119,8 @@ class LLM:
             ids = self.tokenizer.encode_chat(conversation, add_generation_prompt, continue_final_message)
             media = None
             if media_parts(conversation):
-                multimodal = self.engine.multimodal
-                media = media_from_messages(conversation, self._media_config(), max_items=multimodal.max_items_per_prompt,
-                                            local_root=multimodal.allowed_local_media_path)
+                self._media_config()  # a model without a vision tower refuses media by name
+                media = self.engine.multimodal.read_media(conversation)
             inputs.append((ids, media))
         return self._run(inputs, sampling_params)
 

@@ -50,6 +50,13 @@ class MultiModalConfig:
         if root is not None and not (isinstance(root, str) and os.path.isabs(root) and os.path.isdir(root)):
             raise ValueError(f"allowed_local_media_path must be an absolute path to a folder, got {root!r}")
 
+    def read_media(self, messages: Sequence[dict], fetch: Fetch | None = None) -> list[ProcessedMedia]:
+        """Every image / video of a conversation under these settings (see media_from_messages);
+        `fetch`: the server's, when it may fetch http(s) URLs."""
+        assert self.media is not None, "no media settings: an engine without a vision tower takes no media"
+        return media_from_messages(messages, self.media, fetch=fetch, max_items=self.max_items_per_prompt,
+                                   local_root=self.allowed_local_media_path)
+
 
 class MediaInputError(ValueError):
     """Bad media in a request; `param` names the offending part (e.g. "messages[0].content[1]")."""
