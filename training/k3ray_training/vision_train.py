@@ -50,6 +50,7 @@ from k3ray_training.train import (  # noqa: E402
     parse_shares,
     prepare_run,
     resume_log,
+    write_state,
 )
 from k3ray_training.vision_data import VisionExample  # noqa: E402
 
@@ -193,10 +194,8 @@ def heldout_scores(model, vision, items: list[VisionExample], pad: int) -> dict[
 
 
 def save_state(path: Path, model, vision, optimizer, step: int) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "vision": vision.state_dict(), "optimizer": optimizer.state_dict(),
-                "step": step}, tmp)
-    os.replace(tmp, path)
+    write_state(path, {"model": model.state_dict(), "vision": vision.state_dict(),
+                       "optimizer": optimizer.state_dict(), "step": step})
 
 
 def build(args: argparse.Namespace, device: torch.device):
