@@ -27,7 +27,8 @@ HELP = "long-context and multimodal evals against an endpoint or engine"
 SUITE_HELP = {
     "niah": "needle in a haystack over a context-length x needle-depth grid (gkamradt style)",
     "ruler": "RULER-style synthetic tasks: niah variants, variable tracking, common and frequent words",
-    "mm": "multimodal needles: a code card among N images or on one of N video frames",
+    "mm": "multimodal needles: a code card among N images or on one of N video frames (video_order: the first of "
+          "two cards)",
 }
 LM_EVAL_HELP = "lm-evaluation-harness tasks against an endpoint (local-completions) or a checkpoint in process"
 DEFAULT_LENGTHS = {"niah": "4k,8k,16k,32k", "ruler": "4k", "mm": "4,16"}

@@ -1,4 +1,5 @@
-"""Multimodal needles: a code card among N images / video frames, rendered offline with Pillow."""
+"""Multimodal needles: a code card among N images / video frames, and video_order's two cards,
+rendered offline with Pillow."""
 
 import random
 
@@ -7,10 +8,11 @@ import pytest
 from k3ray.evals.oracle import OracleTarget
 from k3ray.evals.scoring import score
 from k3ray.evals.tasks import TASKS, Cell, images
-from k3ray.evals.tasks.multimodal import VideoNeedle
+from k3ray.evals.tasks.multimodal import ORDER_CHUNK, VideoNeedle, VideoOrder, order_indices
 
 RIGHT, WRONG = OracleTarget(), OracleTarget(wrong=True)
 MM_TASKS = ["image_niah", "video_niah", "video_niah_gif"]
+ORDER_TASKS = ["video_order", "video_order_gif"]
 
 
 def _visuals(prompt):
@@ -25,8 +27,7 @@ def _visuals(prompt):
     return frames
 
 
-@pytest.mark.parametrize("name", MM_TASKS)
-@pytest.mark.parametrize("count", [1, 6])
+@pytest.mark.parametrize("name,count", [(n, c) for n in MM_TASKS for c in (1, 6)] + [(n, 6) for n in ORDER_TASKS])
 @pytest.mark.parametrize("depth", [0.0, 50.0, 100.0, None])
 def test_right_oracle_scores_100_and_wrong_scores_0(name, count, depth):
     item = TASKS[name].build(Cell(name, count, depth), RIGHT, 0)
@@ -41,6 +42,28 @@ def test_exactly_one_needle_at_its_depth(name, depth, index):
     codes = [images.read_code(frame) for frame in _visuals(item.prompt)]
     assert len(codes) == 10
     assert codes[index] == item.answers[0] and sum(c is not None for c in codes) == 1
+
+
+@pytest.mark.parametrize("name", ORDER_TASKS)
+@pytest.mark.parametrize("count,depth,first", [(8, 0.0, 0), (8, 100.0, 3), (10, 50.0, 4), (16, 100.0, 11)])
+def test_video_order_shows_two_cards_in_different_chunks_and_asks_for_the_first(name, count, depth, first):
+    item = TASKS[name].build(Cell(name, count, depth), RIGHT, 0)
+    codes = [images.read_code(frame) for frame in _visuals(item.prompt)]
+    shown = [(i, c) for i, c in enumerate(codes) if c is not None]
+    assert len(codes) == count and len(shown) == 2 and shown[0] == (first, item.answers[0])
+    (_, a), (second, b) = shown
+    assert a != b and second // ORDER_CHUNK > first // ORDER_CHUNK
+    assert "first of the two cards" in item.prompt[0]["content"][-1]["text"]
+
+
+def test_order_indices_cover_every_allowed_pair_and_refuse_a_single_chunk():
+    rng = random.Random(0)
+    pairs = {order_indices(rng, 9) for _ in range(2000)}
+    assert pairs == {(i, j) for i in range(8) for j in range(9) if j // ORDER_CHUNK > i // ORDER_CHUNK}
+    with pytest.raises(ValueError, match="more than 4 frames"):
+        TASKS["video_order"].build(Cell("video_order", 4, 50.0), RIGHT, 0)
+    with pytest.raises(ValueError, match="video_format"):
+        VideoOrder(video_format="mp4")
 
 
 def test_video_frames_differ_and_the_gif_is_lossless():
