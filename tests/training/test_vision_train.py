@@ -18,12 +18,15 @@ from k3ray.engine.media_inputs import PREPROCESSOR_CONFIG, load_media_config
 from k3ray.evals.engine_target import EngineTarget
 from k3ray.evals.tasks import images, multimodal
 from k3ray.vision import MediaConfig
+from k3ray.vision.weights import load_vision
 from k3ray_training import cards, vision_data
 from k3ray_training.vision_train import (
     LOG_FILE,
     STATE_FILE,
     VL_VISION,
+    ORDER_MIX,
     Data,
+    build,
     groups,
     heldout_items,
     main,
@@ -98,6 +101,25 @@ def test_items_are_the_prompts_the_engine_builds_and_name_the_cards_tokens(kind,
     assert item.example.task == kind and count >= 1 and kind_name in vision_data.MEDIA_KINDS
 
 
+@pytest.mark.parametrize("kind", ["order@6", "gif_order@9"])
+def test_order_items_hold_two_cards_and_answer_the_first(kind, source):
+    name, count = vision_data.parse_kind(kind)
+    messages, indices, placed = vision_data.media_chat(name, count, random.Random(11), source.faces, 0.0)
+    shown = [images.read_code(f) for p in messages[0]["content"] if p["type"] != "text"
+             for f in images.decode_data_url(p[p["type"]]["url"])]
+    assert [(i, c) for i, c in enumerate(shown) if c] == [(indices[0], placed[0].code), (indices[1], placed[1].code)]
+    assert multimodal.read(messages) == placed[0].code != placed[1].code
+    item = source.item(kind, random.Random(11))  # the same draw, as the engine's ids
+    assert source.tokenizer.decode(item.example.answer) == placed[0].code + "<|im_end|>"
+    assert item.digit_ids == tuple(source.tokenizer.encode(placed[0].code + placed[1].code))
+    first, second = item.digit_positions[:6], item.digit_positions[6:]
+    assert all(item.example.prompt[p] == source.placeholder for p in first + second)
+    grid_of = {p: i // cards.GRID_SIDE**2 for i, p in enumerate(item.media_positions.tolist())}
+    per_grid = 4 if name == "gif_order" else 1  # a grid of tokens per frame, or per chunk of 4 GIF frames
+    assert {grid_of[p] for p in first} == {indices[0] // per_grid}
+    assert {grid_of[p] for p in second} == {indices[1] // per_grid}
+
+
 def test_training_prompts_equal_the_in_process_targets(exported, source):
     """A checkpoint exported with the tower: EngineTarget (the eval's in-process path) encodes the
     eval's messages to the ids training builds for the same pictures."""
@@ -123,7 +145,7 @@ def test_held_out_items_use_the_eval_card(source):
 
 
 def test_bad_kinds_are_refused():
-    for bad in ("image", "image@0", "gif@x", "photo@3"):
+    for bad in ("image", "image@0", "gif@x", "photo@3", "order@4", "gif_order@2"):
         with pytest.raises(SystemExit):
             parse_args(["--out", "unused", "--mix", bad])
 
@@ -142,6 +164,14 @@ def test_a_few_steps_lower_the_loss_and_resume_exactly(tmp_path):
     assert _losses(halves) == pytest.approx(losses, rel=1e-3)
     state = torch.load(halves / STATE_FILE, weights_only=True)
     assert state["step"] == 4 and any(k.startswith("vision_tower.") for k in state["vision"])
+
+
+def test_a_run_from_a_checkpoint_with_a_tower_starts_from_its_tower(exported, tmp_path):
+    args = parse_args(["--out", str(tmp_path / "run"), "--init-from", str(exported), "--mix", "order"])
+    assert args.kind_mix == parse_args(["--out", "unused", "--mix", ORDER_MIX]).kind_mix
+    _, vision, _, start = build(args, torch.device("cpu"))
+    tower = load_vision(exported, torch.float32).state_dict()
+    assert start == 0 and all(torch.equal(t, tower[k]) for k, t in vision.state_dict().items())
 
 
 def test_the_export_loads_with_its_tower_and_image_processor_settings(exported):

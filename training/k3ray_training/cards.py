@@ -79,9 +79,11 @@ def varied_card(img: Image.Image, code: str, rng: random.Random, faces: tuple[st
     return Card(out, code, _row_tokens(text_y + (top + bottom) / 2))
 
 
-def training_card(img: Image.Image, rng: random.Random, faces: tuple[str, ...], varied_share: float) -> Card:
-    """A random code on the eval's card, or with probability `varied_share` on a varied one."""
-    code = "".join(rng.choice("0123456789") for _ in range(images.CODE_LENGTH))
+def training_card(img: Image.Image, rng: random.Random, faces: tuple[str, ...], varied_share: float,
+                  code: str | None = None) -> Card:
+    """`code` (None: a random one) on the eval's card, or with probability `varied_share` on a varied one."""
+    if code is None:
+        code = "".join(rng.choice("0123456789") for _ in range(images.CODE_LENGTH))
     if varied_share and rng.random() < varied_share:
         return varied_card(img, code, rng, faces)
     return eval_card(img, code)

@@ -3,8 +3,9 @@ the eval's chat messages (evals.tasks.multimodal), the tokenizer's chat template
 media decoding and preprocessing (engine.media_inputs) and placeholder expansion.
 
 Kinds: "image@N" (N images, one with the card), "frames@N" / "gif@N" (an N-frame video, the card on
-one frame, sent as image parts or as one animated GIF) and any text item kind of `data` ("niah@ruler+chat"),
-so the model stays a needle reader.
+one frame, sent as image parts or as one animated GIF), "order@N" / "gif_order@N" (the eval's
+video_order: two cards in an N-frame video, the first one's code asked for) and any text item kind of
+`data` ("niah@ruler+chat"), so the model stays a needle reader.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from k3ray.vision.placeholders import expand_placeholders
 from k3ray_training import cards, data
 from k3ray_training.data import Example
 
-MEDIA_KINDS = ("image", "frames", "gif")
+MEDIA_KINDS = ("image", "frames", "gif", "order", "gif_order")
+GIF_KINDS = ("gif", "gif_order")
 TEXT_HAYSTACKS = (300, 700, 1200)  # characters of haystack in the text items
 
 
@@ -44,6 +46,8 @@ def parse_kind(spec: str) -> tuple[str, int]:
         return spec, 0
     if not count.isdigit() or int(count) < 1:
         raise ValueError(f"{spec!r}: a media kind needs a positive count, as image@4")
+    if kind in ("order", "gif_order") and int(count) <= multimodal.ORDER_CHUNK:
+        raise ValueError(f"{spec!r}: two cards need more than {multimodal.ORDER_CHUNK} frames")
     return kind, int(count)
 
 
@@ -56,30 +60,46 @@ def _chat(messages: list[dict], code: str, tokenizer: ByteTokenizer, media_confi
     return Example("", expanded.token_ids, answer, (code,)), media, expanded.spans
 
 
-def media_example(kind: str, count: int, rng: random.Random, tokenizer: ByteTokenizer, media_config: MediaConfig,
-                  placeholder: int, faces: tuple[str, ...], varied_share: float) -> VisionExample:
-    """A card among `count` images or frames: the eval's card, or with probability `varied_share` a varied one."""
-    index = rng.randrange(count)
+def _digit_start(kind: str, index: int, spans, media_config: MediaConfig) -> int:
+    """The prompt position of the first merged token of picture `index`'s grid."""
+    if kind in GIF_KINDS:  # one media item; frames are pooled in chunks, each chunk one grid of tokens
+        return spans[0][0] + (index // media_config.frames_per_chunk) * cards.GRID_SIDE**2
+    return spans[index][0]
+
+
+def media_chat(kind: str, count: int, rng: random.Random, faces: tuple[str, ...],
+               varied_share: float) -> tuple[list[dict], tuple[int, ...], tuple[cards.Card, ...]]:
+    """(the eval's chat messages, the pictures holding cards, their cards) of a media kind: a card among
+    `count` images or frames, two for the order kinds (the first asked for); each the eval's card, or
+    with probability `varied_share` a varied one."""
+    two = kind in ("order", "gif_order")
+    indices = multimodal.order_indices(rng, count) if two else (rng.randrange(count),)
     if kind == "image":
         pictures = [images.scene(rng) for _ in range(count)]
     else:
         pictures = images.moving_frames(rng, count)
-    card = cards.training_card(pictures[index], rng, faces, varied_share)
-    pictures[index] = card.image
+    codes = multimodal.two_codes(rng) if two else (None,)
+    placed = []
+    for index, code in zip(indices, codes):
+        placed.append(cards.training_card(pictures[index], rng, faces, varied_share, code))
+        pictures[index] = placed[-1].image
     if kind == "image":
-        messages = multimodal.image_messages(pictures)
-    else:
-        messages = multimodal.video_messages(pictures, "gif" if kind == "gif" else "frames")
-    example, media, spans = _chat(messages, card.code, tokenizer, media_config, placeholder)
-    if kind == "gif":  # one media item; frames are pooled in chunks, each chunk one grid of tokens
-        per_chunk = cards.GRID_SIDE**2
-        start = spans[0][0] + (index // media_config.frames_per_chunk) * per_chunk
-    else:
-        start = spans[index][0]
-    digit_positions = tuple(start + t for t in card.tokens)
+        return multimodal.image_messages(pictures), indices, tuple(placed)
+    video_format = "gif" if kind in GIF_KINDS else "frames"
+    return multimodal.video_messages(pictures, video_format, len(placed)), indices, tuple(placed)
+
+
+def media_example(kind: str, count: int, rng: random.Random, tokenizer: ByteTokenizer, media_config: MediaConfig,
+                  placeholder: int, faces: tuple[str, ...], varied_share: float) -> VisionExample:
+    """media_chat's item as the engine builds it, naming the tokens meant to carry every card's digits."""
+    messages, indices, placed = media_chat(kind, count, rng, faces, varied_share)
+    example, media, spans = _chat(messages, placed[0].code, tokenizer, media_config, placeholder)
+    digit_positions = tuple(_digit_start(kind, index, spans, media_config) + t
+                            for index, card in zip(indices, placed) for t in card.tokens)
     positions = torch.cat([torch.arange(s, s + n) for s, n in spans])
+    digit_ids = tuple(i for card in placed for i in tokenizer.encode(card.code))
     return VisionExample(Example(f"{kind}@{count}", example.prompt, example.answer, example.references), media,
-                         positions, digit_positions, tuple(tokenizer.encode(card.code)))
+                         positions, digit_positions, digit_ids)
 
 
 def text_example(kind: str, rng: random.Random, tokenizer: ByteTokenizer) -> VisionExample:

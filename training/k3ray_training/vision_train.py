@@ -38,7 +38,7 @@ from k3ray.vision.media import pack_media  # noqa: E402
 from k3ray.vision.model import K3VisionModel, checked_grid, init_random_vision_weights  # noqa: E402
 from k3ray_training import cards, vision_data  # noqa: E402
 from k3ray_training.export import export_checkpoint  # noqa: E402
-from k3ray_training.init_weights import initial_weights  # noqa: E402
+from k3ray_training.init_weights import initial_tower, initial_weights  # noqa: E402
 from k3ray_training.model import balance_experts, cosine_lr, niah_config, train_logits, trainable_model  # noqa: E402
 from k3ray_training.train import (  # noqa: E402
     BALANCE_RATE,
@@ -63,7 +63,11 @@ DEFAULT_MIX = ("image@1=2,image@2,image@4,image@8,frames@8,frames@16,gif@8,gif@1
 DIGITS = tuple(range(ord("0"), ord("9") + 1))  # the byte tokenizer's digit ids
 DIGIT_SCALE = 10.0  # cosine -> logit: a margin the softmax can resolve
 HELDOUT_KINDS = ("image@1", "image@2", "image@4", "image@8", "frames@8", "frames@16", "gif@8", "gif@16",
-                 "niah@ruler+chat")
+                 "order@8", "order@16", "gif_order@8", "gif_order@16", "niah@ruler+chat")
+# the second stage (from k3-tiny-vl's first): the video_order kinds join, the earlier kinds keep their reading
+ORDER_MIX = ("image@1,image@2,image@4,image@8,frames@8,frames@16,gif@8,gif@16,order@8=2,order@16=2,"
+             "gif_order@8=2,gif_order@16=2,niah@ruler+chat=0.5,niah=0.5")
+MIXES = {"cards": DEFAULT_MIX, "order": ORDER_MIX}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,9 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--export", default=None, help="write the checkpoint here when the run stops")
     p.add_argument("--init-from", default="k3-tiny-niah",
                    help="the text model's weights: a shipped checkpoint name, a checkpoint directory or a text run's "
-                        "train_state.pt")
+                        "train_state.pt; a checkpoint with a tower (k3-tiny-vl) gives the tower's weights too")
     p.add_argument("--mix", default=DEFAULT_MIX,
-                   help="item kinds and shares, KIND[=SHARE],...: image@N, frames@N, gif@N or a text kind of train.py")
+                   help="item kinds and shares, KIND[=SHARE],...: image@N, frames@N, gif@N, order@N, gif_order@N or a "
+                        f"text kind of train.py; or a named mix ({', '.join(MIXES)})")
     p.add_argument("--steps", type=int, default=1500, help="the schedule's length (learning rate)")
     p.add_argument("--stop-at", type=int, default=None, help="stop (and save) after this step; rerun to go on")
     p.add_argument("--tokens-per-step", type=int, default=3072)
@@ -96,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_run_flags(p, save_every=25)
     args = p.parse_args(argv)
     try:
-        args.kind_mix = parse_shares(args.mix, "mix", "image@4=1,gif@8=0.5")
+        args.kind_mix = parse_shares(MIXES.get(args.mix, args.mix), "mix", "image@4=1,gif@8=0.5")
         for kind in args.kind_mix:
             vision_data.parse_kind(kind)
     except ValueError as e:
@@ -205,6 +210,9 @@ def build(args: argparse.Namespace, device: torch.device):
     state_path = Path(args.out) / STATE_FILE
     if not state_path.exists():
         initial_weights(model, args.init_from)
+        tower = initial_tower(args.init_from)
+        if tower is not None:
+            vision.load_state_dict(tower.state_dict())
     model.to(device).train(), vision.to(device).train()
     optimizer = torch.optim.AdamW([{"params": list(model.parameters()), "lr": args.lr, "peak": args.lr},
                                    {"params": list(vision.parameters()), "lr": args.vision_lr,
