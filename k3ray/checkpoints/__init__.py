@@ -8,8 +8,9 @@ k3-tiny-niah: the tiny K3 trained for retrieval by the training program of a k3r
 folder. How it was trained (the stages' commands) and its training log are in training/README.md.
 
 k3-tiny-vl: k3-tiny-niah grown a MoonViT-V2 tower and projector, trained by the same folder's
-vision program to read the code card of `k3ray eval mm` in images and videos; it ships its image
-processor settings (preprocessor_config.json) beside config and tokenizer.
+vision program in two stages to read the code card of `k3ray eval mm` in images and videos, then the
+first of video_order's two cards; it ships its image processor settings (preprocessor_config.json)
+beside config and tokenizer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from importlib import resources
 # (training/README.md has the stages)
 TRAIN_COMMANDS = {
     "k3-tiny-niah": "cd training && python -m k3ray_training.train --out runs/k3-tiny-niah --export {path}",
-    "k3-tiny-vl": "cd training && python -m k3ray_training.vision_train --out runs/k3-tiny-vl --export {path}",
+    "k3-tiny-vl": "cd training && python -m k3ray_training.vision_train --out runs/k3-tiny-vl --steps 900 --export "
+                  "runs/k3-tiny-vl/export && python -m k3ray_training.vision_train --out runs/k3-tiny-vl-order "
+                  "--init-from runs/k3-tiny-vl/export --mix order --steps 300 --lr 3e-4 --vision-lr 1e-3 --warmup 20 "
+                  "--varied-from 0 --varied-cards 0.1 --eval-every 25 --export {path}",
 }
 SHIPPED = tuple(TRAIN_COMMANDS)
 

@@ -136,12 +136,19 @@ def variant_forms(plain_niah, forms_of, tmp_path_factory) -> dict[str, dict[str,
 MM_FLOORS = {"image_niah": {1: 0.9, 2: 0.9, 4: 0.9, 8: 0.9}, "video_niah": {8: 0.9, 16: 0.9},
              "video_niah_gif": {8: 0.9, 16: 0.9}}
 MM_SAMPLES = 4
+# video_order (two cards, the first asked for): what the frame-swap mutation needs a sound score on
+ORDER_FLOORS = {"video_order": {8: 0.9, 16: 0.9}, "video_order_gif": {8: 0.9, 16: 0.9}}
 VL_ENGINE = {"max_model_len": 2048, "cache_memory_bytes": 64 << 20}
 
 
 @pytest.fixture(scope="session")
 def mm_floors() -> dict[str, dict[int, float]]:
     return MM_FLOORS
+
+
+@pytest.fixture(scope="session")
+def order_floors() -> dict[str, dict[int, float]]:
+    return ORDER_FLOORS
 
 
 @pytest.fixture(scope="session")
@@ -178,6 +185,18 @@ def mm_grid(trained_grid):
 
 
 @pytest.fixture(scope="session")
-def plain_mm(vl_checkpoint, mm_grid, tmp_path_factory) -> MediaGrid:
+def vl_target(vl_checkpoint) -> EngineTarget:
+    """k3-tiny-vl's in-process engine, shared by the sound grids."""
+    return EngineTarget(LLM(vl_checkpoint, **VL_ENGINE))
+
+
+@pytest.fixture(scope="session")
+def plain_mm(vl_target, mm_grid, tmp_path_factory) -> MediaGrid:
     """The in-process engine's grid, run once for the session: every other path must predict it."""
-    return mm_grid(EngineTarget(LLM(vl_checkpoint, **VL_ENGINE)), tmp_path_factory.mktemp("plain-mm"))
+    return mm_grid(vl_target, tmp_path_factory.mktemp("plain-mm"))
+
+
+@pytest.fixture(scope="session")
+def plain_order(vl_target, mm_grid, tmp_path_factory) -> MediaGrid:
+    """video_order's grid on the in-process engine, run once for the session."""
+    return mm_grid(vl_target, tmp_path_factory.mktemp("plain-order"), ORDER_FLOORS)

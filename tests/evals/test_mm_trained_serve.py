@@ -102,7 +102,8 @@ def test_a_batch_mixing_images_videos_and_text_answers_each_as_alone(serve_app, 
     served = _serve(serve_app, port, vl_checkpoint, {})
     engine = EngineTarget(LLM(vl_checkpoint, **vl_engine))
     cells = [Cell("image_niah", 4, 50.0, 0), Cell("image_niah", 1, 0.0, 1), Cell("video_niah", 8, 100.0, 0),
-             Cell("video_niah_gif", 16, 50.0, 0), Cell("niah", 1024, 50.0, 0), Cell("niah", 1024, 0.0, 1)]
+             Cell("video_niah_gif", 16, 50.0, 0), Cell("video_order_gif", 8, 50.0, 0), Cell("niah", 1024, 50.0, 0),
+             Cell("niah", 1024, 0.0, 1)]
     items = [get_task(c.task).build(c, engine, seed=0, chat=True) for c in cells]
     alone = [engine.complete(item.prompt, item.max_tokens) for item in items]
     with ThreadPoolExecutor(len(items)) as pool:  # all in flight together: batched in the replica's steps
