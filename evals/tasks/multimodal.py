@@ -37,7 +37,7 @@ def _code_and_index(rng, cell: Cell) -> tuple[str, int, float]:
     if cell.length < 1:
         raise ValueError(f"a multimodal needle needs at least one image, got length {cell.length}")
     depth = pick_depth(rng, cell)
-    code = "".join(rng.choice("0123456789") for _ in range(images.CODE_LENGTH))
+    code = random_code(rng)
     return code, round(depth / 100 * (cell.length - 1)), depth
 
 
@@ -114,26 +114,23 @@ def order_indices(rng, count: int, depth: float | None = None) -> tuple[int, int
     return first, rng.randrange((first // ORDER_CHUNK + 1) * ORDER_CHUNK, count)
 
 
+def random_code(rng) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(images.CODE_LENGTH))
+
+
 def two_codes(rng) -> tuple[str, str]:
-    first = "".join(rng.choice("0123456789") for _ in range(images.CODE_LENGTH))
-    while (second := "".join(rng.choice("0123456789") for _ in range(images.CODE_LENGTH))) == first:
+    first = random_code(rng)
+    while (second := random_code(rng)) == first:
         pass
     return first, second
 
 
 @dataclass(frozen=True)
-class VideoOrder(Task):
+class VideoOrder(VideoNeedle):
     """Two cards in one video, in different chunks of frames; the code on the first is the answer,
     so frames out of order (two swapped) read the other card's."""
 
     name: str = "video_order"
-    video_format: str = "frames"
-    max_tokens: int = 16
-    unit = "frames"
-
-    def __post_init__(self) -> None:
-        if self.video_format not in VIDEO_FORMATS:
-            raise ValueError(f"video_format must be one of {VIDEO_FORMATS}, got {self.video_format!r}")
 
     def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False,
               chat: bool = False) -> Item:

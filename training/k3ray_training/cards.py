@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw, ImageFont
 
-from k3ray.evals.tasks import images
+from k3ray.evals.tasks import images, multimodal
 
 TOKEN_PX = 28  # patch 14 x merge 2
 GRID_SIDE = 6  # tokens per side of a padded 168 x 168 image
@@ -83,7 +83,7 @@ def training_card(img: Image.Image, rng: random.Random, faces: tuple[str, ...], 
                   code: str | None = None) -> Card:
     """`code` (None: a random one) on the eval's card, or with probability `varied_share` on a varied one."""
     if code is None:
-        code = "".join(rng.choice("0123456789") for _ in range(images.CODE_LENGTH))
+        code = multimodal.random_code(rng)
     if varied_share and rng.random() < varied_share:
         return varied_card(img, code, rng, faces)
     return eval_card(img, code)
