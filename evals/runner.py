@@ -70,6 +70,10 @@ def resolve_tasks(config: RunConfig) -> list[Task]:
 
 
 def _check_context(target: Target, config: RunConfig, jobs: Sequence[tuple[Task, Cell]]) -> None:
+    for task in {t.name: t for t, _ in jobs}.values():
+        shortest = min(c.length for t, c in jobs if t.name == task.name)
+        if shortest < task.min_length:
+            raise ValueError(f"task {task.name} needs --lengths of at least {task.min_length} {task.unit}, got {shortest}")
     text_jobs = [(t, c) for t, c in jobs if t.unit == "tokens"]
     if not text_jobs:
         return

@@ -95,6 +95,7 @@ class Task(ABC):
     max_tokens: int = 64
     uses_depth: bool = True
     unit: str = "tokens"
+    min_length = 1  # the shortest cell length in `unit`, checked before a run starts (text: min_prompt_tokens too)
 
     def min_prompt_tokens(self, count: Callable[[str], int]) -> int:
         """The shortest prompt (in `count`'s tokens) this task can build; checked before a run starts."""

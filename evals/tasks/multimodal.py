@@ -131,6 +131,7 @@ class VideoOrder(VideoNeedle):
     so frames out of order (two swapped) read the other card's."""
 
     name: str = "video_order"
+    min_length = ORDER_CHUNK + 1
 
     def build(self, cell: Cell, target: Target, seed: int, reserve_generation: bool = False,
               chat: bool = False) -> Item:

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from k3ray.evals.oracle import OracleTarget
+from k3ray.evals.runner import RunConfig, run_eval
 from k3ray.evals.scoring import score
 from k3ray.evals.tasks import TASKS, Cell, images
 from k3ray.evals.tasks.multimodal import ORDER_CHUNK, VideoNeedle, VideoOrder, order_indices
@@ -56,12 +57,15 @@ def test_video_order_shows_two_cards_in_different_chunks_and_asks_for_the_first(
     assert "first of the two cards" in item.prompt[0]["content"][-1]["text"]
 
 
-def test_order_indices_cover_every_allowed_pair_and_refuse_a_single_chunk():
+def test_order_indices_cover_every_allowed_pair_and_refuse_a_single_chunk(tmp_path):
     rng = random.Random(0)
     pairs = {order_indices(rng, 9) for _ in range(2000)}
     assert pairs == {(i, j) for i in range(8) for j in range(9) if j // ORDER_CHUNK > i // ORDER_CHUNK}
     with pytest.raises(ValueError, match="more than 4 frames"):
         TASKS["video_order"].build(Cell("video_order", 4, 50.0), RIGHT, 0)
+    with pytest.raises(ValueError, match="video_order needs --lengths of at least 5 frames, got 4"):
+        run_eval(RunConfig(tasks=("video_order",), lengths=(4, 8), depths=(50.0,)), RIGHT, tmp_path, progress=False)
+    assert not any(tmp_path.iterdir())  # refused before the run wrote anything
     with pytest.raises(ValueError, match="video_format"):
         VideoOrder(video_format="mp4")
 
