@@ -26,6 +26,7 @@ from k3ray_training.data import Example
 
 MEDIA_KINDS = ("image", "frames", "gif", "order", "gif_order")
 GIF_KINDS = ("gif", "gif_order")
+ORDER_KINDS = ("order", "gif_order")  # two cards, the first asked for
 TEXT_HAYSTACKS = (300, 700, 1200)  # characters of haystack in the text items
 
 
@@ -46,7 +47,7 @@ def parse_kind(spec: str) -> tuple[str, int]:
         return spec, 0
     if not count.isdigit() or int(count) < 1:
         raise ValueError(f"{spec!r}: a media kind needs a positive count, as image@4")
-    if kind in ("order", "gif_order") and int(count) <= multimodal.ORDER_CHUNK:
+    if kind in ORDER_KINDS and int(count) <= multimodal.ORDER_CHUNK:
         raise ValueError(f"{spec!r}: two cards need more than {multimodal.ORDER_CHUNK} frames")
     return kind, int(count)
 
@@ -72,7 +73,7 @@ def media_chat(kind: str, count: int, rng: random.Random, faces: tuple[str, ...]
     """(the eval's chat messages, the pictures holding cards, their cards) of a media kind: a card among
     `count` images or frames, two for the order kinds (the first asked for); each the eval's card, or
     with probability `varied_share` a varied one."""
-    two = kind in ("order", "gif_order")
+    two = kind in ORDER_KINDS
     indices = multimodal.order_indices(rng, count) if two else (rng.randrange(count),)
     if kind == "image":
         pictures = [images.scene(rng) for _ in range(count)]
