@@ -69,9 +69,17 @@ def resolve_tasks(config: RunConfig) -> list[Task]:
     return tasks + [load_jsonl_task(path) for path in config.task_files]
 
 
+def _shortest_cells(jobs: Sequence[tuple[Task, Cell]]) -> list[tuple[Task, int]]:
+    """(task, its shortest cell length) for each task among the jobs."""
+    shortest: dict[str, tuple[Task, int]] = {}
+    for task, cell in jobs:
+        if task.name not in shortest or cell.length < shortest[task.name][1]:
+            shortest[task.name] = (task, cell.length)
+    return list(shortest.values())
+
+
 def _check_context(target: Target, config: RunConfig, jobs: Sequence[tuple[Task, Cell]]) -> None:
-    for task in {t.name: t for t, _ in jobs}.values():
-        shortest = min(c.length for t, c in jobs if t.name == task.name)
+    for task, shortest in _shortest_cells(jobs):
         if shortest < task.min_length:
             raise ValueError(f"task {task.name} needs --lengths of at least {task.min_length} {task.unit}, got {shortest}")
     text_jobs = [(t, c) for t, c in jobs if t.unit == "tokens"]
@@ -93,8 +101,7 @@ def _check_context(target: Target, config: RunConfig, jobs: Sequence[tuple[Task,
 def _check_min_lengths(target: Target, config: RunConfig, text_jobs: Sequence[tuple[Task, Cell]]) -> None:
     """A task whose prompt cannot be built at a length fails here, naming the length it needs."""
     count = functools.partial(count_tokens, target)
-    for task in {t.name: t for t, _ in text_jobs}.values():
-        shortest = min(c.length for t, c in text_jobs if t.name == task.name)
+    for task, shortest in _shortest_cells(text_jobs):
         needed = task.min_prompt_tokens(count) + (task.max_tokens if config.reserve_generation else 0)
         if shortest < needed:
             raise ValueError(f"task {task.name} needs --lengths of at least {needed} tokens with {target.name}'s "
