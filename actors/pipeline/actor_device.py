@@ -21,7 +21,9 @@ def assigned_device() -> torch.device:
 
 def placement_info(device: torch.device) -> dict:
     """What the runner decides the tensor path between actors from: the node, the GPUs Ray gave
-    the actor (ids on that node), and whether Ray's NCCL transport can run here (it needs cupy)."""
+    the actor (ids on that node), and whether Ray's NCCL transport (it needs cupy) and NIXL transport (it
+    needs nixl) can run here."""
     return {"node_id": ray.get_runtime_context().get_node_id(), "device": str(device),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "nccl": device.type == "cuda" and importlib.util.find_spec("cupy") is not None}
+            "nccl": device.type == "cuda" and importlib.util.find_spec("cupy") is not None,
+            "nixl": importlib.util.find_spec("nixl") is not None}

@@ -21,7 +21,10 @@ stage holds its own GPU and can run NCCL, "gloo" (the same collective path over 
 when asked, else "host" (wire bundles through host memory: CPU stages, and stages sharing a GPU,
 which NCCL cannot connect). A collective hop path is one Ray collective group over the stages;
 after a step on it fails, the next step first starts fresh stage actors and a new group over them
-(Ray kills both ends of a failed collective transfer for good, and a restarted stage is in no group)."""
+(Ray kills both ends of a failed collective transfer for good, and a restarted stage is in no group).
+A prefill/decode handoff's parts stay at the stages that read them (read_handoff), in the object store
+or, with handoff_transport "nixl", in the stage's own memory for Ray's NIXL transport
+(pipeline/stage_records.py)."""
 
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from k3ray.actors.pipeline.moe_dispatch import ShardMap
 from k3ray.actors.pipeline.moe_router import MoERouter
 from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, PipelineLost, StageFailure, WirePlan
 from k3ray.actors.pipeline.stage import PipelineStage
-from k3ray.actors.pipeline.stage_records import StageRecords
+from k3ray.actors.pipeline.stage_records import NIXL, StageRecords, handoff_transport
 from k3ray.actors.pipeline.vision_encoder import VisionEncoder
 from k3ray.actors.pipeline.wire import unpack
 from k3ray.capacity import split_range
@@ -56,6 +59,9 @@ from k3ray.vision import has_vision_weights
 
 logger = logging.getLogger(__name__)
 
+
+# a handoff part's owner gone (ObjectLostError), or a NIXL pull from it that failed
+LOST_IN_TRANSIT = (ray.exceptions.ObjectLostError, ray.exceptions.RayDirectTransportError)
 
 # hop transports that carry the tensors themselves over a collective group of the stages -> its backend
 COLLECTIVE_BACKENDS = {"nccl": "nccl", "gloo": "torch_gloo"}
@@ -202,6 +208,11 @@ class RayExecutor(Executor):
             ).remote(checkpoint, cache.dtype, parallel.torch_threads)
         self.placement, infos = self._wait_ready(ready_timeout_s)
         self.hop_transport = hop_transport(parallel, infos) if may_use_collective else "host"
+        try:
+            self.handoff_transport = handoff_transport(parallel, infos)
+        except ValueError:
+            self.shutdown()
+            raise
         if parallel.stage_transport == "gloo" and self.hop_transport == "host" and parallel.pipeline > 1:
             logger.warning("pipeline hops go through host memory: GLOO carries CPU tensors only, and a stage has a GPU")
         if self.hop_transport in COLLECTIVE_BACKENDS:
@@ -376,15 +387,20 @@ class RayExecutor(Executor):
             self._get([g.stage.copy_states.remote(src, dst) for g in self.groups], "state copy")
 
     def read_handoff(self, slot: int, rows: torch.Tensor) -> list[StageRecords]:
-        """Each stage reads its own layers' part into the object store, where it stays (StageRecords);
-        this waits for every read (the slot and blocks may be reused after) and fetches only its size."""
+        """Each stage reads its own layers' part and leaves it where it stays (StageRecords: in the object
+        store, or at the stage with NIXL); this waits for every read (the slot and blocks may be reused
+        after) and fetches only the sizes."""
         assert self.started, "allocate_cache() first"
         with self.faults.stepping():
-            calls = [g.stage.read_handoff.options(num_returns=2).remote(slot, rows) for g in self.groups]
-            sizes = self._get([size for size, _ in calls], "handoff read")
+            if self.handoff_transport == NIXL:
+                read = self._get([g.stage.read_handoff.remote(slot, rows, NIXL) for g in self.groups], "handoff read")
+                sizes, parts = [size for size, _ in read], [refs[0] for _, refs in read]
+            else:
+                calls = [g.stage.read_handoff.options(num_returns=2).remote(slot, rows) for g in self.groups]
+                sizes, parts = self._get([size for size, _ in calls], "handoff read"), [part for _, part in calls]
         total = {kind: sum(s[kind] for s in sizes) for kind in ("state", "mla_latent")}
-        return [StageRecords([(g.layers, part) for g, (_, part) in zip(self.groups, calls)], total,
-                             self.parallel.call_timeout_s)]
+        return [StageRecords([(g.layers, part) for g, part in zip(self.groups, parts)], total,
+                             self.parallel.call_timeout_s, self.handoff_transport)]
 
     def write_handoff(self, records: list[CacheRecord | RemoteCacheRecord], slot: int, rows: torch.Tensor) -> None:
         """Each stage writes its own layers' part: straight from the prefill stage that holds the same
@@ -397,7 +413,8 @@ class RayExecutor(Executor):
         ranges = [g.layers for g in self.groups]
         try:
             if isinstance(record, StageRecords) and record.layer_ranges == ranges:
-                parts = [ref for _, ref in record.parts]
+                # a NIXL part goes by reference (in a list), for the stage to pull onto its own device
+                parts = [[ref] if record.left_with == NIXL else ref for _, ref in record.parts]
             else:
                 whole = local_record(record)
                 parts = [whole.select(range(*layers)) for layers in ranges]
@@ -405,12 +422,12 @@ class RayExecutor(Executor):
                 writes = [g.stage.write_handoff.remote(part, slot, rows) for g, part in zip(self.groups, parts)]
                 try:
                     ray.get(writes, timeout=self.parallel.call_timeout_s)
-                except ray.exceptions.ObjectLostError:
+                except LOST_IN_TRANSIT:
                     raise
                 except Exception:  # noqa: BLE001 - this pipeline's own failure: as every other call
                     self._get(writes, "handoff write")
                     raise
-        except ray.exceptions.ObjectLostError as e:
+        except LOST_IN_TRANSIT as e:
             raise HandoffMismatchError(f"the handoff's caches were lost in transit ({type(e).__name__}: its prefill "
                                        "replica is gone)") from e
 

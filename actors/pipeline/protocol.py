@@ -16,6 +16,8 @@ from k3ray.engine.errors import ModelUnavailableError
 from k3ray.engine.plan import BatchPlan
 
 STAGE_TRANSPORTS = ("auto", "host", "gloo")
+# how a prefill pipeline's stages leave their part of a handoff for the decode stages (RayExecutor.read_handoff)
+HANDOFF_TRANSPORTS = ("auto", "object-store", "nixl")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,10 @@ class ParallelConfig:
     # host memory; "gloo" = Ray's GLOO tensor transport between CPU stages (MoE rows always go
     # through host memory: see RayExecutor.hop_transport)
     stage_transport: str = "auto"
+    # a prefill/decode handoff's caches, prefill stage to decode stage: "auto" = Ray's NIXL tensor transport
+    # (GPU to GPU, one-sided: no collective group) when every stage computes on a GPU and has nixl, else the
+    # object store; "object-store" = always; "nixl" = NIXL on any device (CPU stages too: how CI runs it)
+    handoff_transport: str = "auto"
     redundant_experts: int = DEFAULT_REDUNDANT_EXPERTS  # see moe_dispatch_modes
     rebalance_steps: int = DEFAULT_REBALANCE_STEPS
 
@@ -59,6 +65,8 @@ class ParallelConfig:
             raise ValueError(f"moe_dispatch must be one of {MOE_DISPATCH_MODES}, got {self.moe_dispatch!r}")
         if self.stage_transport not in STAGE_TRANSPORTS:
             raise ValueError(f"stage_transport must be one of {STAGE_TRANSPORTS}, got {self.stage_transport!r}")
+        if self.handoff_transport not in HANDOFF_TRANSPORTS:
+            raise ValueError(f"handoff_transport must be one of {HANDOFF_TRANSPORTS}, got {self.handoff_transport!r}")
         if self.redundant_experts < 0:
             raise ValueError(f"redundant_experts must be >= 0, got {self.redundant_experts}")
         if self.rebalance_steps < 0:

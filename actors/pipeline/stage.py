@@ -18,6 +18,7 @@ from k3ray.actors.pipeline.expert_placement import Placement
 from k3ray.actors.pipeline.moe_dispatch import DirectDispatch, MoEDispatch, RemoteExperts, make_dispatch
 from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailure, WirePlan
 from k3ray.actors.pipeline.restartable import Restartable
+from k3ray.actors.pipeline.stage_records import NIXL, OBJECT_STORE, fetch_part, leave_part
 from k3ray.actors.pipeline.wire import Bundle, pack, unpack, unpack_tagged
 from k3ray.config import ModelConfig
 from k3ray.engine.handoff import CacheRecord, read_record, write_record
@@ -82,14 +83,22 @@ class PipelineStage(Restartable):
         self.cache.copy_states(src, dst)
 
     @torch.inference_mode()
-    def read_handoff(self, slot: int, rows: torch.Tensor) -> tuple[dict[str, int], CacheRecord]:
-        """(its size, this stage's layers' part of one sequence's caches): prefill/decode disaggregation,
-        called with num_returns=2 so the part can stay in the object store while the size is read."""
+    def read_handoff(self, slot: int, rows: torch.Tensor, left_with: str = OBJECT_STORE
+                     ) -> tuple[dict[str, int], CacheRecord | list[ray.ObjectRef]]:
+        """(its size, this stage's layers' part of one sequence's caches): prefill/decode disaggregation.
+        For the object store: on the host, called with num_returns=2 so the part can stay there while
+        the size is read; for NIXL: on this stage's device, left here (stage_records.leave_part)."""
+        if left_with == NIXL:
+            record = read_record(self.cache, slot, rows, self.device)
+            return record.nbytes(), leave_part(record)
         record = read_record(self.cache, slot, rows)
         return record.nbytes(), record
 
     @torch.inference_mode()
-    def write_handoff(self, record: CacheRecord, slot: int, rows: torch.Tensor) -> None:
+    def write_handoff(self, record: CacheRecord | list[ray.ObjectRef], slot: int, rows: torch.Tensor) -> None:
+        """Write a part: a record, or one left at a prefill stage with NIXL (fetched onto this device)."""
+        if isinstance(record, list):
+            record = fetch_part(record[0], self.device, self.timeout_s)
         write_record(self.cache, record, slot, rows)
 
     def flush_load(self) -> None:

@@ -89,6 +89,10 @@ class ParallelSettings(Settings):
     stage_transport: Literal["auto", "host", "gloo"] = Field(
         "auto", description="hidden states between pipeline stages: auto = GPU to GPU over NCCL when every stage has "
         "its own GPU, else host memory; host = always host memory; gloo = Ray's GLOO transport (CPU stages)")
+    handoff_transport: Literal["auto", "object-store", "nixl"] = Field(
+        "auto", description="disaggregated pipeline replicas: a handoff's caches, prefill stage to decode stage: auto = "
+        "Ray's NIXL tensor transport when every stage computes on a GPU and has nixl, else the object store; "
+        "object-store = always; nixl = NIXL on any device (pip install 'k3ray[nixl]')")
     moe_dispatch: MoEDispatchMode = Field(
         DEFAULT_MOE_DISPATCH, description="MoE rows from each stage straight to its shards by actor calls (direct), through "
         "the stage's router actor (router) or through a Ray Compiled Graph (compiled)")
@@ -260,7 +264,7 @@ class ServeArgs(Settings):
             stage_resources=resources(p.stage_cpus, p.stage_gpus),
             shard_resources=resources(p.shard_cpus, p.shard_gpus),
             router_resources={"CPU": p.router_cpus}, placement_strategy=p.placement_strategy,
-            stage_transport=p.stage_transport,
+            stage_transport=p.stage_transport, handoff_transport=p.handoff_transport,
             moe_dispatch=p.moe_dispatch, redundant_experts=p.redundant_experts, rebalance_steps=p.rebalance_steps,
             vision_resources=resources(p.vision_cpus, p.vision_gpus),
         )

@@ -14,10 +14,12 @@ later chunks run, on to this replica's engine process too (EngineClient.send_han
 them and joins them with the handoff the import brings); only the last chunk's rows, the state and
 the first token travel after the first token.
 
-The handoff travels through Ray's object store: between pipeline replicas whose stages hold the same
-layers, each prefill stage's part goes straight to the decode stage that holds those layers
-("stage-direct": no replica process in between); otherwise as one flat numpy array through the two
-replicas ("host", read without a copy; an engine process of this replica gets it over its socket).
+Between pipeline replicas whose stages hold the same layers, each prefill stage's part goes straight to
+the decode stage that holds those layers (no replica process in between): through Ray's object store
+("stage-direct") or pulled from the prefill stage's memory over Ray's NIXL tensor transport
+("stage-direct-nixl", pipeline/stage_records.py); otherwise the handoff travels through the object
+store as one flat numpy array through the two replicas ("host", read without a copy; an engine process
+of this replica gets it over its socket).
 
 Failures: a prefill replica lost mid-request (or its engine gone), a handoff lost in transit, a
 handoff the engine can no longer write (the held prefix evicted meanwhile: the retry sends everything)

@@ -101,17 +101,22 @@ class RemoteCacheRecord(ABC):
     def nbytes(self) -> dict[str, int]:
         """As CacheRecord.nbytes, without fetching."""
 
+    @property
+    @abstractmethod
+    def transport(self) -> str:
+        """How its parts travel, as handoff stats name it (e.g. "stage-direct")."""
+
 
 def local_record(record: CacheRecord | RemoteCacheRecord) -> CacheRecord:
     return record if isinstance(record, CacheRecord) else record.materialize()
 
 
-def read_record(cache: ModelCache, slot: int, rows: torch.Tensor) -> CacheRecord:
-    """Copy one sequence's state (slot) and latent rows [n] out of `cache`, to the CPU."""
+def read_record(cache: ModelCache, slot: int, rows: torch.Tensor, device: torch.device | str = "cpu") -> CacheRecord:
+    """Copy one sequence's state (slot) and latent rows [n] out of `cache`, to `device`."""
     return CacheRecord(
-        {l: t[slot].cpu().clone() for l, t in cache.kda_state.items()},
-        {l: t[slot].cpu().clone() for l, t in cache.conv_state.items()},
-        {l: t[rows.to(t.device)].cpu() for l, t in cache.mla_latent.items()},
+        {l: t[slot].to(device, copy=True) for l, t in cache.kda_state.items()},
+        {l: t[slot].to(device, copy=True) for l, t in cache.conv_state.items()},
+        {l: t[rows.to(t.device)].to(device) for l, t in cache.mla_latent.items()},
     )
 
 
@@ -181,9 +186,11 @@ class Handoff:
 
     @property
     def transport(self) -> str:
-        """How its caches travel: "stage-direct" (each pipeline stage's part as an object of its own,
-        written by the receiving stage that holds those layers), else "host" (through the replicas)."""
-        return "host" if all(isinstance(r, CacheRecord) for r in self.records) else "stage-direct"
+        """How its caches travel: "host" (through the replicas) or, for records left at a pipeline's
+        stages (each stage's part written by the receiving stage that holds those layers), theirs:
+        "stage-direct" (Ray's object store), "stage-direct-nixl" (Ray's NIXL tensor transport)."""
+        remote = [r.transport for r in self.records if isinstance(r, RemoteCacheRecord)]
+        return remote[0] if remote else "host"
 
     def materialized(self) -> Handoff:
         """Every record fetched here (for a receiver outside Ray: an engine process)."""

@@ -1,6 +1,6 @@
 """What a layout asks Ray for and how its tensors travel: `k3ray plan`'s layouts are the actors
 `k3ray serve` places (plan JSON -> serve settings -> ParallelConfig -> placement-group bundles),
-and the stages' hop transport follows where Ray put them."""
+and the stages' hop and handoff transports follow where Ray put them."""
 
 import json
 
@@ -10,6 +10,7 @@ pytest.importorskip("ray")
 
 from k3ray.actors.pipeline.executor import actor_bundles, hop_transport  # noqa: E402
 from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
+from k3ray.actors.pipeline.stage_records import handoff_transport  # noqa: E402
 from k3ray.actors.serve.config import ServeArgs  # noqa: E402
 from k3ray.cli import main as cli_main  # noqa: E402
 from k3ray.config import preset  # noqa: E402
@@ -64,3 +65,40 @@ def test_hop_transport_follows_where_the_stages_are(stages, transport, expected)
 def test_stage_transport_is_checked():
     with pytest.raises(ValueError, match="stage_transport"):
         ParallelConfig(stage_transport="nccl-please")
+    with pytest.raises(ValueError, match="handoff_transport"):
+        ParallelConfig(handoff_transport="nccl")
+
+
+def _handoff_stage(gpus: list[str], nixl: bool = True) -> dict:
+    return {**_stage("a", gpus), "nixl": nixl}
+
+
+@pytest.mark.parametrize("stages, transport, expected", [
+    ([_handoff_stage(["0"]), _handoff_stage(["1"])], "auto", "nixl"),  # every stage on a GPU, nixl at hand
+    ([_handoff_stage(["0"]), _handoff_stage(["0"])], "auto", "nixl"),  # fractions of one GPU: NIXL pairs any two
+    ([_handoff_stage(["0"])], "auto", "nixl"),  # one stage: still GPU memory to GPU memory
+    ([_handoff_stage(["0"]), _handoff_stage([])], "auto", "object-store"),  # a CPU stage
+    ([_handoff_stage([]), _handoff_stage([])], "auto", "object-store"),  # CPU stages: the object store is as good
+    ([_handoff_stage(["0"]), _handoff_stage(["1"], nixl=False)], "auto", "object-store"),
+    ([_handoff_stage(["0"]), _handoff_stage(["1"])], "object-store", "object-store"),
+    ([_handoff_stage([]), _handoff_stage([])], "nixl", "nixl"),  # asked for: CPU memory too (CI's path)
+])
+def test_handoff_transport_follows_where_the_stages_are(stages, transport, expected):
+    assert handoff_transport(ParallelConfig(pipeline=len(stages), handoff_transport=transport), stages) == expected
+
+
+def test_nixl_asked_for_without_nixl_is_refused_naming_the_stage():
+    stages = [_handoff_stage([]), _handoff_stage([], nixl=False)]
+    with pytest.raises(ValueError, match=r"nixl package on every stage's node; stages \[1\] have none"):
+        handoff_transport(ParallelConfig(pipeline=2, handoff_transport="nixl"), stages)
+
+
+def test_serve_settings_offer_every_handoff_transport():
+    from typing import get_args
+
+    from k3ray.actors.pipeline.protocol import HANDOFF_TRANSPORTS
+    from k3ray.actors.serve.config import ParallelSettings
+
+    assert get_args(ParallelSettings.model_fields["handoff_transport"].annotation) == HANDOFF_TRANSPORTS
+    args = ServeArgs.model_validate({"model": {"model": "/m"}, "parallel": {"pipeline": 2, "handoff_transport": "nixl"}})
+    assert args.parallel_config().handoff_transport == "nixl"

@@ -4,7 +4,8 @@ colocated engine's token for token — plain prompts, chunked prefill (64-token 
 latent rows sent while the next runs), n-gram
 speculative decoding on the decode side, a prefix the decode replica already holds (only the rest
 travels), streaming, structured output through chat, n > 1 (run whole on the decode replica), and
-both pools as pipeline 2 x expert-parallel 2 replicas."""
+both pools as pipeline 2 x expert-parallel 2 replicas, whose stages hand their parts over Ray's NIXL
+tensor transport (the object-store path between stages is tied in tests/actors/test_ray_handoff.py)."""
 
 import json
 import time
@@ -129,7 +130,7 @@ def pd_pipelines(serve_app, tiny_checkpoint, pd_app):
     layers' part of the handoff); the single-process app goes first, to leave its CPUs to these actors."""
     serve.delete(APP)
     parallel = {"pipeline": 2, "expert_parallel": 2, "replica_cpus": 0.25, "stage_cpus": 0.25, "shard_cpus": 0.25,
-                "router_cpus": 0.125, "vision_cpus": 0.125}
+                "router_cpus": 0.125, "vision_cpus": 0.125, "handoff_transport": "nixl"}
     args = {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": "k3-tiny"}, "engine": ENGINE,
             "parallel": parallel, "disaggregation": {"prefill_replicas": 1}}
     url = serve_app(args, name=APP_PP, port=pd_app.base_url.port)  # Serve's HTTP port is set once
@@ -146,7 +147,7 @@ def test_pipeline_and_expert_parallel_on_both_sides(pd_pipelines, colocated):
         assert out.choices[0].text == reference(colocated, prompt, max_tokens=10), prompt[:8]
     after = call_deployment(APP_PP, "K3Server", "handoff_stats")
     assert after["handoffs"] - before["handoffs"] == 3
-    assert after["transports"]["stage-direct"] - before["transports"].get("stage-direct", 0) == 3
+    assert after["transports"]["stage-direct-nixl"] - before["transports"].get("stage-direct-nixl", 0) == 3
     assert after["parts"] == before["parts"]  # a pipeline's rows stay at its stages until the prefill ends
     sent, prompts = (after[k] - before[k] for k in ("tokens_sent", "prompt_tokens"))
     assert sent == prompts - 64  # the last prompt's shared blocks stayed on the decode side

@@ -40,7 +40,7 @@ FLAGS = {
     "--block-size", "--cache-memory-mb", "--enable-prefix-caching", "--speculative-ngram", "--seed",
     "--max-queued-tokens", "--max-queue-wait-s", "--max-request-pixels", "--device", "--enforce-eager",
     "--redundant-experts", "--rebalance-steps", "--autoscale-policy", "--autoscale-ttft-ms", "--autoscale-queued-tokens",
-    "--request-router", "--affinity-max-imbalance", "--routing-stats-period-s", "--stage-transport",
+    "--request-router", "--affinity-max-imbalance", "--routing-stats-period-s", "--stage-transport", "--handoff-transport",
     "--long-prefill-token-threshold", "--long-context-reserve",
     "--prefill-replicas", "--prefill-max-replicas", "--handoff-attempts", "--autoscale-itl-ms",
     "--max-schema-bytes", "--grammar-compile-timeout-s", "--grammar-compile-memory-mb", "--grammar-cache-mb",
