@@ -60,3 +60,35 @@ def test_ray_pipeline_2x2_on_one_gpu_equals_local(ray_one_gpu, tiny_checkpoint):
             assert torch.equal(out.argmax(-1), ref.argmax(-1))
     finally:
         runner.shutdown()
+
+
+def test_a_handoff_between_gpu_pipelines_goes_stage_to_stage_over_nixl(ray_one_gpu, tiny_checkpoint):
+    """Disaggregation on GPU stages: `auto` picks Ray's NIXL transport, each prefill stage's part stays in
+    its GPU memory and the decode stage holding those layers pulls it onto its own; greedy output equals
+    the local engine's on the GPU."""
+    pytest.importorskip("nixl")
+    from dataclasses import replace
+
+    from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
+    from k3ray.sampling_params import RequestOutputKind
+    from k3ray.testing import finish_request
+
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=BS, num_blocks=64, snapshot_interval=1)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [(7 * i + 3) % 250 for i in range(40)]
+    local = LLMEngine(LocalExecutor(load_model(tiny_checkpoint, torch.float32, device="cuda")), config)
+    local.add_request("ref", prompt, greedy)
+    expected = finish_request(local, "ref").outputs[0].token_ids
+    runners = [RayExecutor(tiny_checkpoint, ParallelConfig(2, 1, **ONE_GPU), name=f"nixl-{side}")
+               for side in ("prefill", "decode")]
+    try:
+        sender, receiver = (LLMEngine(r, config) for r in runners)
+        assert runners[0].handoff_transport == "nixl"
+        sender.add_request("p", prompt, replace(greedy, output_kind=RequestOutputKind.FINAL_ONLY), export_from=0)
+        handoff = finish_request(sender, "p").handoff
+        assert handoff.transport == "stage-direct-nixl"
+        receiver.add_request("d", prompt, greedy, handoff=handoff)
+        assert finish_request(receiver, "d").outputs[0].token_ids == expected
+    finally:
+        for r in runners:
+            r.shutdown()
