@@ -46,7 +46,7 @@ from k3ray.actors.pipeline.moe_dispatch import ShardMap
 from k3ray.actors.pipeline.moe_router import MoERouter
 from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, PipelineLost, StageFailure, WirePlan
 from k3ray.actors.pipeline.stage import PipelineStage
-from k3ray.actors.pipeline.stage_records import NIXL, StageRecords, handoff_transport
+from k3ray.actors.pipeline.stage_records import NIXL, PartOwnerLostError, StageRecords, handoff_transport
 from k3ray.actors.pipeline.vision_encoder import VisionEncoder
 from k3ray.actors.pipeline.wire import unpack
 from k3ray.capacity import split_range
@@ -60,8 +60,8 @@ from k3ray.vision import has_vision_weights
 logger = logging.getLogger(__name__)
 
 
-# a handoff part's owner gone (ObjectLostError), or a NIXL pull from it that failed
-LOST_IN_TRANSIT = (ray.exceptions.ObjectLostError, ray.exceptions.RayDirectTransportError)
+# a handoff part's owner gone (ObjectLostError, PartOwnerLostError), or a NIXL pull from it that failed
+LOST_IN_TRANSIT = (ray.exceptions.ObjectLostError, ray.exceptions.RayDirectTransportError, PartOwnerLostError)
 
 # hop transports that carry the tensors themselves over a collective group of the stages -> its backend
 COLLECTIVE_BACKENDS = {"nccl": "nccl", "gloo": "torch_gloo"}
@@ -400,7 +400,7 @@ class RayExecutor(Executor):
                 sizes, parts = self._get([size for size, _ in calls], "handoff read"), [part for _, part in calls]
         total = {kind: sum(s[kind] for s in sizes) for kind in ("state", "mla_latent")}
         return [StageRecords([(g.layers, part) for g, part in zip(self.groups, parts)], total,
-                             self.parallel.call_timeout_s, self.handoff_transport)]
+                             self.parallel.call_timeout_s, self.handoff_transport, [g.stage for g in self.groups])]
 
     def write_handoff(self, records: list[CacheRecord | RemoteCacheRecord], slot: int, rows: torch.Tensor) -> None:
         """Each stage writes its own layers' part: straight from the prefill stage that holds the same

@@ -18,7 +18,7 @@ from k3ray.actors.pipeline.expert_placement import Placement
 from k3ray.actors.pipeline.moe_dispatch import DirectDispatch, MoEDispatch, RemoteExperts, make_dispatch
 from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailure, WirePlan
 from k3ray.actors.pipeline.restartable import Restartable
-from k3ray.actors.pipeline.stage_records import NIXL, OBJECT_STORE, fetch_part, leave_part
+from k3ray.actors.pipeline.stage_records import NIXL, OBJECT_STORE, fetch_part, leave_part, own_part_on_host
 from k3ray.actors.pipeline.wire import Bundle, pack, unpack, unpack_tagged
 from k3ray.config import ModelConfig
 from k3ray.engine.handoff import CacheRecord, read_record, write_record
@@ -100,6 +100,10 @@ class PipelineStage(Restartable):
         if isinstance(record, list):
             record = fetch_part(record[0], self.device, self.timeout_s)
         write_record(self.cache, record, slot, rows)
+
+    def handoff_part_on_host(self, part: list[ray.ObjectRef]) -> CacheRecord:
+        """A part this stage left with NIXL, on the host, for a receiver that is no stage (StageRecords.materialize)."""
+        return own_part_on_host(part[0], self.timeout_s)
 
     def flush_load(self) -> None:
         """Direct dispatch: hand the counts of the steps so far to the router, and wait for it."""

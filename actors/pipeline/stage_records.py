@@ -11,6 +11,9 @@ Two ways a part stays (handoff_transport, chosen once the stages are up, as the 
   with Ray's NIXL tensor transport, owned by that stage; the receiving stage pulls them one-sided onto
   its own device. NIXL rather than NCCL: NCCL needs a collective group over both ends, and an actor
   is in one group per backend (the stages' hop group); prefill and decode replicas come and go.
+  A receiver that is no stage asks each owning stage for its part on the host instead of pulling it:
+  the first NIXL pull in a process starts Ray's NIXL agent there, whose progress thread keeps a core
+  busy for the life of the process (a Serve replica, an eval driver).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from k3ray.engine.handoff import CacheRecord, RemoteCacheRecord
 
 NIXL = "nixl"
 OBJECT_STORE = "object-store"
+
+
+class PartOwnerLostError(RuntimeError):
+    """The prefill stage that holds a NIXL part is gone before the part was fetched."""
 
 
 def handoff_transport(parallel: ParallelConfig, stage_infos: list[dict]) -> str:
@@ -55,18 +62,29 @@ def fetch_part(ref: ray.ObjectRef, device: torch.device | str, timeout_s: float)
     return ray.get(ref, timeout=timeout_s)
 
 
+def own_part_on_host(ref: ray.ObjectRef, timeout_s: float) -> CacheRecord:
+    """A part this process left with NIXL, copied to host memory (no transfer: the tensors are here)."""
+    return ray.get(ref, timeout=timeout_s).to("cpu")
+
+
 @dataclass
 class StageRecords(RemoteCacheRecord):
     parts: list[tuple[tuple[int, int], ray.ObjectRef]]  # (layer range [a, b), the stage's CacheRecord)
     sizes: dict[str, int]  # as CacheRecord.nbytes
     timeout_s: float = 300.0
     left_with: str = OBJECT_STORE  # handoff_transport's choice on the prefill side
+    stages: list[ray.actor.ActorHandle] | None = None  # NIXL: the stage holding each part
 
     def materialize(self) -> CacheRecord:
         refs = [ref for _, ref in self.parts]
-        if self.left_with == NIXL:
-            return CacheRecord.merge([fetch_part(ref, "cpu", self.timeout_s) for ref in refs])
-        return CacheRecord.merge(ray.get(refs, timeout=self.timeout_s))
+        if self.left_with != NIXL:
+            return CacheRecord.merge(ray.get(refs, timeout=self.timeout_s))
+        assert self.stages is not None and len(self.stages) == len(refs)
+        calls = [stage.handoff_part_on_host.remote([ref]) for stage, ref in zip(self.stages, refs)]
+        try:
+            return CacheRecord.merge(ray.get(calls, timeout=self.timeout_s))
+        except ray.exceptions.RayActorError as e:
+            raise PartOwnerLostError(f"a prefill stage holding a handoff part is gone: {e}") from e
 
     def nbytes(self) -> dict[str, int]:
         return dict(self.sizes)

@@ -40,6 +40,7 @@ from contextlib import aclosing
 import ray
 from ray.serve.handle import DeploymentHandle
 
+from k3ray.actors.pipeline.stage_records import PartOwnerLostError
 from k3ray.actors.serve.ingress_routing import block_chain
 from k3ray.actors.serve.load_signals import TTFTWindow
 from k3ray.engine.engine_client import EngineClient
@@ -153,7 +154,12 @@ class DisaggregatedEngine:
             transport = final.transport
             handoff = await asyncio.to_thread(final.joined, parts) if parts else final
             if transport != "host" and isinstance(self.engine, EngineClient):  # its engine process is no Ray worker
-                handoff = await asyncio.to_thread(lambda h=handoff: h.materialized().pack())
+                try:
+                    handoff = await asyncio.to_thread(lambda h=handoff: h.materialized().pack())
+                except (PartOwnerLostError, ray.exceptions.RayError) as e:  # a prefill stage gone since
+                    failure = e
+                    self.stats.retries += 1
+                    continue
             started = False
             try:
                 async with aclosing(self.engine.generate(prompt, params, request_id, media, handoff=handoff)) as outs:

@@ -70,6 +70,12 @@ class CacheRecord:
     def layers(self) -> set[int]:
         return {*self.kda_state, *self.mla_latent}
 
+    def to(self, device: torch.device | str) -> CacheRecord:
+        def moved(d: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            return {l: t.to(device) for l, t in d.items()}
+
+        return CacheRecord(moved(self.kda_state), moved(self.conv_state), moved(self.mla_latent))
+
     def select(self, layers: range) -> CacheRecord:
         """The part a pipeline stage of `layers` holds."""
         def keep(d: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -37,6 +37,9 @@ class Owner:
     def hold(self, part, tensor_transport=None):
         return [ray.put(part, _tensor_transport=tensor_transport)]  # in a list: the caller gets the reference
 
+    def handoff_part_on_host(self, part):  # as a prefill stage answers (PipelineStage)
+        return ray.get(part[0])
+
 
 def prefill(engine, request_id, prompt, held):
     engine.add_request(request_id, prompt, replace(GREEDY, output_kind=RequestOutputKind.FINAL_ONLY), export_from=held)
@@ -120,3 +123,33 @@ def test_parts_lost_with_their_owner_are_asked_for_again(engines, sender, transp
     assert decode.executor.health()["healthy"]
     decode.add_request(f"again-{sender}", prompt, GREEDY, handoff=prefill(engines[sender], "again", prompt, 0))
     assert finish_request(decode, f"again-{sender}").outputs[0].token_ids == reference(engines, prompt)
+
+
+def test_a_stage_lost_before_another_layout_asks_for_its_part_is_asked_for_again(engines):
+    """A receiver laid out otherwise asks each prefill stage for its NIXL part on the host: a stage gone
+    by then is lost in transit, as a lost part is."""
+    prompt = PROMPTS[1]
+    handoff = prefill(engines["pp2-nixl"], "stage-lost", prompt, 0)
+    gone = Owner.remote()  # a prefill stage's stand-in, dead before it is asked
+    ray.get(gone.__ray_ready__.remote())
+    ray.kill(gone)
+    handoff.records[0].stages = [gone] * len(handoff.records[0].parts)
+    decode = engines["ep2"]
+    decode.add_request("stage-lost", prompt, GREEDY, handoff=handoff)
+    with pytest.raises(HandoffMismatchError, match="lost in transit"):
+        finish_request(decode, "stage-lost")
+    assert decode.executor.health()["healthy"]
+
+
+@pytest.mark.parametrize("decode", ["ep2", "local"])
+def test_a_receiver_that_is_no_stage_keeps_no_core_busy(engines, decode):
+    """NIXL parts taken here (a local engine, a single-stage executor in this process): each prefill stage
+    hands its part over on the host, so this process starts no NIXL agent, whose progress thread would
+    keep a core busy from then on."""
+    prompt = PROMPTS[0]
+    handoff = prefill(engines["pp2-nixl"], f"idle-{decode}", prompt, 0)
+    engines[decode].add_request(f"idle-{decode}", prompt, GREEDY, handoff=handoff)
+    assert finish_request(engines[decode], f"idle-{decode}").outputs[0].token_ids == reference(engines, prompt)
+    cpu = time.process_time()
+    time.sleep(2)
+    assert time.process_time() - cpu < 0.5, "this process kept a core busy after taking a NIXL handoff"
