@@ -45,6 +45,7 @@ def smaller(port: int) -> dict[str, str]:
         "--lengths 1k,2k,4k --depths 0,50,100 --samples 10": "--lengths 1k,2k --depths 0,50,100 --samples 1",
         # k3-tiny-vl's table: 108 prompts; here one depth and sample a length
         "--depths 0,50,100 --samples 4": "--depths 50 --samples 1",
+        "--depths 0,50,100 \\\n  --samples 4": "--depths 50 --samples 1",
     }
 
 
