@@ -428,8 +428,8 @@ class RayExecutor(Executor):
                     self._get(writes, "handoff write")
                     raise
         except LOST_IN_TRANSIT as e:
-            raise HandoffMismatchError(f"the handoff's caches were lost in transit ({type(e).__name__}: its prefill "
-                                       "replica is gone)") from e
+            raise HandoffMismatchError(f"the handoff's caches were lost in transit ({type(e).__name__}: the prefill "
+                                       "replica or stage that held them is gone)") from e
 
     def expert_load(self) -> list[list[int]]:
         """Per stage: routed (token, expert) pairs per expert since start (Router counters); the
