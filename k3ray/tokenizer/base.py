@@ -16,7 +16,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from k3ray.tokenizer import special as sp
-from k3ray.tokenizer.chat import ChatSegment, render_chat
+from k3ray.tokenizer.chat import ChatSegment
+from k3ray.tokenizer.chat_format import encode_segments, pick_format, render_segments
+from k3ray.tokenizer.chat_options import ChatOptions
 
 
 class Tokenizer(ABC):
@@ -33,7 +35,10 @@ class Tokenizer(ABC):
         eos_token: str,
         pad_token: str,
         chat_template: str | None = None,
+        chat_format: str | None = None,
     ) -> None:
+        """chat_format: the format k3ray's own files declare; else a chat_template makes it `jinja`,
+        and the vocabulary's markers pick K3's XTML or K2's (chat_format.pick_format)."""
         assert 256 <= num_base_tokens <= vocab_size, (num_base_tokens, vocab_size)
         for token, token_id in special_tokens.items():
             if not num_base_tokens <= token_id < vocab_size:
@@ -48,6 +53,7 @@ class Tokenizer(ABC):
         self.num_base_tokens = num_base_tokens
         self.special_tokens = dict(special_tokens)
         self.chat_template = chat_template
+        self.chat_format = pick_format(special_tokens, chat_template, chat_format)
         self._special_by_id = {token_id: token for token, token_id in special_tokens.items()}
         self.bos_token_id = self._named_special(bos_token, "bos_token")
         self.eos_token_id = self._named_special(eos_token, "eos_token")
@@ -134,16 +140,11 @@ class Tokenizer(ABC):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[dict] | None = None,
+        options: ChatOptions | None = None,
     ) -> list[ChatSegment]:
-        """The rendered conversation as control / text segments (see k3ray.tokenizer.chat)."""
-        return render_chat(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=tools,
-            media_begin=self.media_begin_token,
-            media_placeholder=self.media_placeholder_token,
-        )
+        """The rendered conversation as control / text segments in this tokenizer's chat format."""
+        return render_segments(self, messages, add_generation_prompt, continue_final_message, tools,
+                               options or ChatOptions())
 
     def apply_chat_template(
         self,
@@ -151,9 +152,10 @@ class Tokenizer(ABC):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[dict] | None = None,
+        options: ChatOptions | None = None,
     ) -> str:
         """The prompt string for a conversation (encode it with allow_special=True)."""
-        segments = self.chat_segments(messages, add_generation_prompt, continue_final_message, tools)
+        segments = self.chat_segments(messages, add_generation_prompt, continue_final_message, tools, options)
         return "".join(segment.text for segment in segments)
 
     def encode_chat(
@@ -162,13 +164,11 @@ class Tokenizer(ABC):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[dict] | None = None,
+        options: ChatOptions | None = None,
     ) -> list[int]:
         """Prompt ids where only the template's markup becomes special tokens, never message text."""
-        segments = self.chat_segments(messages, add_generation_prompt, continue_final_message, tools)
-        ids: list[int] = []
-        for control, run in _merged_runs(segments):
-            ids += self.encode(run, allow_special=control)
-        return ids
+        return encode_segments(self, self.chat_segments(messages, add_generation_prompt, continue_final_message,
+                                                        tools, options))
 
     # -- helpers ----------------------------------------------------------------------------------
     @property
@@ -210,14 +210,3 @@ def with_reserved_tokens(named: dict[str, int], num_base_tokens: int, vocab_size
 def _readable_bytes(piece: bytes) -> str:
     text = piece.decode("utf-8", errors="surrogateescape")
     return "".join(f"<0x{ord(c) - 0xDC00:02X}>" if "\udc80" <= c <= "\udcff" else c for c in text)
-
-
-def _merged_runs(segments: Sequence[ChatSegment]) -> list[tuple[bool, str]]:
-    """Adjacent segments of one kind joined, so text encodes exactly as in the joined prompt string."""
-    runs: list[tuple[bool, str]] = []
-    for text, control in segments:
-        if runs and runs[-1][0] == control:
-            runs[-1] = (control, runs[-1][1] + text)
-        else:
-            runs.append((control, text))
-    return runs

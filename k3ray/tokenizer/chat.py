@@ -92,7 +92,7 @@ def collect_media(messages: Sequence[dict]) -> list[MediaItem]:
         if isinstance(content, list):
             for part_index, part in enumerate(content):
                 where = f"messages[{index}].content[{part_index}]"
-                kind = _part_kind(part, where)
+                kind = part_kind(part, where)
                 if kind != "text":
                     items.append(MediaItem(kind, part[part["type"]]))
     return items
@@ -141,7 +141,7 @@ def _content_segments(content: Any, where: str, media_begin: str, placeholder: s
         raise ValueError(f"{where} must be a string or a list of parts, got {type(content).__name__}")
     out: list[ChatSegment] = []
     for index, part in enumerate(content):
-        kind = _part_kind(part, f"{where}[{index}]")
+        kind = part_kind(part, f"{where}[{index}]")
         if kind == "text":
             out.append(_text(part["text"]))
         else:
@@ -150,7 +150,7 @@ def _content_segments(content: Any, where: str, media_begin: str, placeholder: s
     return out
 
 
-def _part_kind(part: Any, where: str) -> str:
+def part_kind(part: Any, where: str) -> str:
     if not isinstance(part, dict):
         raise ValueError(f"{where} must be a dict part, got {type(part).__name__}")
     part_type = part.get("type")
@@ -186,14 +186,14 @@ def _tools_json(tools: Sequence[dict]) -> str:
     if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
         raise ValueError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
     # tokenization_kimi.py deep-sorts the tool schemas before rendering
-    return json.dumps(_deep_sorted(list(tools)), ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(deep_sorted(list(tools)), ensure_ascii=False, separators=(",", ":"))
 
 
-def _deep_sorted(value: Any) -> Any:
+def deep_sorted(value: Any) -> Any:
     if isinstance(value, dict):
-        return {key: _deep_sorted(value[key]) for key in sorted(value)}
+        return {key: deep_sorted(value[key]) for key in sorted(value)}
     if isinstance(value, list):
-        return [_deep_sorted(item) for item in value]
+        return [deep_sorted(item) for item in value]
     return value
 
 

@@ -27,8 +27,13 @@ TOOL_CALL_BEGIN = "<|tool_call_begin|>"
 TOOL_CALL_ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
 TOOL_CALL_END = "<|tool_call_end|>"
 
-# K3's XTML chat encoding ends every message with this instead of <|im_end|>
+# K3's XTML chat encoding: an element is <|open|>NAME ATTRS<|sep|>BODY<|close|>NAME<|sep|>, and every
+# top-level message is followed by <|end_of_msg|> (k3ray.tokenizer.chat_xtml)
 END_OF_MSG = "<|end_of_msg|>"
+OPEN = "<|open|>"
+CLOSE = "<|close|>"
+SEP = "<|sep|>"
+XTML_MARKERS = (OPEN, CLOSE, SEP)
 
 # ends an assistant turn besides EOS, whichever of them a vocabulary has
 END_OF_TURN_TOKENS = (IM_END, END_OF_MSG)

@@ -60,9 +60,18 @@ class ParsedDelta:
     content: str = ""
     started: list[CallStart] = field(default_factory=list)
     arguments: dict[int, str] = field(default_factory=dict)
+    reasoning: str = ""  # K3's think channel (xtml_output.py); K2's format has none
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.started or self.arguments)
+        return bool(self.content or self.started or self.arguments or self.reasoning)
+
+    def joined(self, later: ParsedDelta) -> ParsedDelta:
+        """This delta followed by `later`, as one."""
+        arguments = dict(self.arguments)
+        for index, text in later.arguments.items():
+            arguments[index] = arguments.get(index, "") + text
+        return ParsedDelta(self.content + later.content, self.started + later.started, arguments,
+                           self.reasoning + later.reasoning)
 
 
 @dataclass
@@ -83,7 +92,7 @@ class SpecialTokens:
     """How the parser finds special tokens in text: built once per tokenizer (`of`)."""
 
     def __init__(self, specials: Iterable[str] = ()) -> None:
-        names = set(specials) | set(MARKERS)
+        names = set(specials) or set(MARKERS)
         self.pattern = re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True))))
         self.prefixes = frozenset(name[:i] for name in names for i in range(1, len(name)))
         self.longest = max(map(len, names))
@@ -140,13 +149,17 @@ class ToolCallParser:
         self._pending = rest[len(rest) - held:]
         return self._delta
 
-    def finish(self, streamed: bool = True) -> ParsedDelta:
+    def finish(self, streamed: bool = True, truncated: bool = False) -> ParsedDelta:
         """The end of the output: held-back text, and a call header never finished, are content; so
-        is a call never finished unless streamed (its fragments were sent)."""
+        is a call never finished unless streamed (its fragments were sent) or truncated (max_tokens
+        cut it: a cut call is dropped, never content)."""
         self._delta = ParsedDelta()
         self._text(self._pending)
         self._pending = ""
-        if self._state == _HEADER:
+        if truncated and self._state in (_HEADER, _ARGUMENTS):
+            if self._reported and self._call is not None and not streamed:
+                self.calls.pop()
+        elif self._state == _HEADER:
             self._delta.content += self._call_raw
         elif self._state == _ARGUMENTS and self._call is not None and not streamed and self._reported:
             self.calls.pop()

@@ -36,7 +36,6 @@ TIKTOKEN_CONFIG = {
     "bos_token": "[BOS]",
     "eos_token": {"__type": "AddedToken", "content": "[EOS]"},
     "pad_token": "[PAD]",
-    "chat_template": "{{ kept as is, never rendered }}",
 }
 TEXTS = ["hello world", "héllo wörld, ça va? 世界你好", "emoji 😀👍🏽 and flags 🇫🇷", "tabs\tand\n\nnewlines  ", ""]
 
@@ -81,7 +80,7 @@ def test_tiktoken_special_ids_come_from_the_config(bpe):
     assert (bpe.bos_token_id, bpe.eos_token_id, bpe.pad_token_id) == (266, 267, 521)
     assert bpe.stop_token_ids == frozenset({267, 268})
     assert bpe.media_placeholder_token_id == 277 and bpe.media_begin_token == "<|media_begin|>"
-    assert bpe.chat_template == TIKTOKEN_CONFIG["chat_template"]
+    assert bpe.chat_template is None and bpe.chat_format == "kimi_k2"  # K2's markers, no template of its own
 
 
 def test_bpe_merges_and_pre_tokenization(bpe):
@@ -291,7 +290,7 @@ def test_save_load_round_trip(tmp_path, bpe):
             assert loaded.encode(text, allow_special=True) == original.encode(text, allow_special=True)
     saved_config = json.loads((tmp_path / "k3-byte" / "tokenizer_config.json").read_text())
     assert saved_config["k3ray_tokenizer_class"] == "K3ByteTokenizer" and saved_config["vocab_size"] == 1024
-    assert load_tokenizer(tmp_path / bpe.name).chat_template == TIKTOKEN_CONFIG["chat_template"]
+    assert load_tokenizer(tmp_path / bpe.name).chat_format == "kimi_k2"
 
 
 def test_load_errors(tmp_path):
