@@ -28,16 +28,22 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ToolCallsFormat:
-    """A tool-call section in Kimi's format (k3ray.tokenizer.tool_calls): the section's markers,
-    then one call (several with `parallel`) of the named functions, each
-    `<call begin>functions.NAME:INDEX<argument begin>{arguments}<call end>`, the arguments strict JSON
-    matching that function's parameters schema. `functions` holds (name, parameters schema as a
-    dict or its JSON text, kept as compact JSON text); `markers` the ids of the five marker tokens
-    (`k3ray.tokenizer.tool_calls.marker_ids`)."""
+    """A tool-call section the output must be, in the checkpoint's format: one call (several with
+    `parallel`) of the named functions, each one's arguments strict JSON matching that function's
+    parameters schema. `functions` holds (name, parameters schema as a dict or its JSON text, kept as
+    compact JSON text). `style` "kimi_k2": `markers` are the ids of K2's five marker tokens
+    (`k3ray.tokenizer.tool_calls.marker_ids`), each call `<call begin>functions.NAME:INDEX<argument
+    begin>{arguments}<call end>` inside the section markers. `style` "xtml": `markers` are K3's
+    `<|open|>`, `<|close|>`, `<|sep|>` ids, and the output is K3's assistant message from where the
+    prompt left it (`thinking`: inside the think channel, free reasoning first; else inside the
+    response channel), an empty response, then the tools channel with each call's arguments as one
+    `json` block (k3ray.tokenizer.xtml_output reads both argument forms)."""
 
     functions: tuple[tuple[str, str | dict], ...]
-    markers: tuple[int, int, int, int, int]  # section begin, call begin, argument begin, call end, section end
+    markers: tuple[int, ...]  # K2: section begin, call begin, argument begin, call end, section end; XTML: open, close, sep
     parallel: bool = True
+    style: str = "kimi_k2"
+    thinking: bool = False
 
     def __post_init__(self) -> None:
         functions = tuple(self.functions) if isinstance(self.functions, (list, tuple)) else None
@@ -60,11 +66,36 @@ class ToolCallsFormat:
         if len({name for name, _ in checked}) != len(checked):
             raise ValueError("structured_outputs.tool_calls: two functions share one name")
         object.__setattr__(self, "functions", tuple(checked))
+        if self.style not in TOOL_CALL_STYLES:
+            raise ValueError(f"structured_outputs.tool_calls.style must be one of {TOOL_CALL_STYLES}, got {self.style!r}")
+        count = TOOL_CALL_STYLES[self.style]
         markers = tuple(self.markers)
-        if len(markers) != 5 or len(set(markers)) != 5:
-            raise ValueError(f"structured_outputs.tool_calls.markers must be 5 distinct token ids, got {markers!r}")
+        if len(markers) != count or len(set(markers)) != count:
+            raise ValueError(f"structured_outputs.tool_calls.markers must be {count} distinct token ids for style "
+                             f"{self.style!r}, got {markers!r}")
         for t in markers:
             _check_int("structured_outputs.tool_calls.markers entry", t, low=0)
+        object.__setattr__(self, "markers", markers)
+
+
+TOOL_CALL_STYLES = {"kimi_k2": 5, "xtml": 3}  # style -> how many marker ids it names
+
+
+@dataclass(frozen=True)
+class XtmlMessage:
+    """Where K3's output holds a JSON answer: its response channel. `markers` are the `<|open|>`,
+    `<|close|>`, `<|sep|>` ids; `thinking`: the prompt opened the think channel (free reasoning
+    first), else the response channel."""
+
+    markers: tuple[int, int, int]
+    thinking: bool = True
+
+    def __post_init__(self) -> None:
+        markers = tuple(self.markers)
+        if len(markers) != 3 or len(set(markers)) != 3:
+            raise ValueError(f"structured_outputs.xtml.markers must be 3 distinct token ids, got {markers!r}")
+        for t in markers:
+            _check_int("structured_outputs.xtml.markers entry", t, low=0)
         object.__setattr__(self, "markers", markers)
 
 
@@ -77,6 +108,7 @@ class StructuredOutputsParams:
     json: str | dict | None = None
     json_object: bool = False
     tool_calls: ToolCallsFormat | None = None
+    xtml: XtmlMessage | None = None  # json / json_object inside K3's response channel
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
@@ -87,6 +119,8 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.tool_calls must be a ToolCallsFormat, got {self.tool_calls!r}")
         if (self.json is not None) + bool(self.json_object) + (self.tool_calls is not None) != 1:
             raise ValueError("structured_outputs needs exactly one of json (a schema), json_object=True or tool_calls")
+        if self.xtml is not None and (self.tool_calls is not None or not isinstance(self.xtml, XtmlMessage)):
+            raise ValueError("structured_outputs.xtml must be an XtmlMessage, with json or json_object")
 
     @property
     def field(self) -> str:

@@ -18,9 +18,10 @@ xgrammar sees each as a piece starting with a NUL byte, which no strict-JSON tex
 allowed only where a grammar names its id (`Token(id)`: the markers of a tool-call section) or as a
 stop token at the grammar's end.
 
-A tool-call grammar (StructuredOutputsParams.tool_calls) is an xgrammar structural tag: the
-section's marker tokens around one call (or several) of the given functions, each call's arguments
-the strict-JSON grammar of that function's parameters.
+A tool-call grammar (StructuredOutputsParams.tool_calls) is an xgrammar structural tag: K2's
+section markers around one call (or several) of the given functions, or K3's XTML message from
+where the prompt left it (reasoning, then the tools channel); each call's arguments are the
+strict-JSON grammar of that function's parameters.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ import torch
 import xgrammar as xgr
 from xgrammar import structural_tag as tag
 
-from k3ray.sampling_params import StructuredOutputsParams, ToolCallsFormat, tool_schema_field
+from k3ray.sampling_params import StructuredOutputsParams, ToolCallsFormat, XtmlMessage, tool_schema_field
 from k3ray.strict_json import FIELD, checked_schema, schema_with_placeholders, splice
 
 ANY_OBJECT = '{"type": "object"}'
 CALL_INDEX = "0|[1-9][0-9]{0,3}"  # the INDEX of functions.NAME:INDEX
+XTML_CALL_INDEX = "[1-9][0-9]{0,3}"  # K3 numbers calls from 1
+FREE_TEXT = "[^\\x00]*"  # reasoning: any text, no special token (xgrammar sees those as NUL-led pieces)
 SPECIAL_PREFIX = b"\x00k3ray-special-"  # + the id: what xgrammar sees for a special id
 
 
@@ -50,6 +53,8 @@ def build_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None 
         schema, patterns = schema_with_placeholders(checked_schema(params.json, max_schema_bytes))
         ebnf = _json_ebnf(json.dumps(schema), patterns, True, FIELD)
     try:
+        if params.xtml is not None:
+            return xgr.Grammar.from_structural_tag(tag.StructuralTag(format=_xtml_answer(params.xtml, ebnf)))
         return xgr.Grammar.from_ebnf(ebnf)
     except RuntimeError as e:
         raise ValueError(f"{FIELD} is not a usable JSON schema: {_first_line(e)}") from None
@@ -65,24 +70,66 @@ def _json_ebnf(schema: str, patterns: list[str], strict: bool, field: str) -> st
 
 
 def _tool_calls_grammar(tool_calls: ToolCallsFormat, max_schema_bytes: int | None) -> xgr.Grammar:
-    section_begin, call_begin, argument_begin, call_end, section_end = tool_calls.markers
-    calls = []
+    arguments = {}
     for name, text in tool_calls.functions:
         field = tool_schema_field(name)
         schema, patterns = schema_with_placeholders(checked_schema(text, max_schema_bytes, field))
-        calls.append(tag.SequenceFormat(elements=[
-            tag.TokenFormat(token=call_begin), tag.ConstStringFormat(value=f"functions.{name}:"),
-            tag.RegexFormat(pattern=CALL_INDEX), tag.TokenFormat(token=argument_begin),
-            tag.GrammarFormat(grammar=_json_ebnf(json.dumps(schema), patterns, True, field)),
-            tag.TokenFormat(token=call_end)]))
-    call = calls[0] if len(calls) == 1 else tag.OrFormat(elements=calls)
-    section = tag.SequenceFormat(elements=[
-        tag.TokenFormat(token=section_begin), tag.PlusFormat(content=call) if tool_calls.parallel else call,
-        tag.TokenFormat(token=section_end)])
+        arguments[name] = tag.GrammarFormat(grammar=_json_ebnf(json.dumps(schema), patterns, True, field))
+    section = _xtml_message(tool_calls, arguments) if tool_calls.style == "xtml" else _k2_section(tool_calls, arguments)
     try:
         return xgr.Grammar.from_structural_tag(tag.StructuralTag(format=section))
     except RuntimeError as e:
         raise ValueError(f"structured_outputs.tool_calls: no grammar for the section: {_first_line(e)}") from None
+
+
+def _k2_section(tool_calls: ToolCallsFormat, arguments: dict) -> tag.Format:
+    section_begin, call_begin, argument_begin, call_end, section_end = tool_calls.markers
+    calls = [tag.SequenceFormat(elements=[
+        tag.TokenFormat(token=call_begin), tag.ConstStringFormat(value=f"functions.{name}:"),
+        tag.RegexFormat(pattern=CALL_INDEX), tag.TokenFormat(token=argument_begin), grammar,
+        tag.TokenFormat(token=call_end)]) for name, grammar in arguments.items()]
+    call = calls[0] if len(calls) == 1 else tag.OrFormat(elements=calls)
+    return tag.SequenceFormat(elements=[
+        tag.TokenFormat(token=section_begin), tag.PlusFormat(content=call) if tool_calls.parallel else call,
+        tag.TokenFormat(token=section_end)])
+
+
+def _xtml_elements(markers: tuple[int, int, int]):
+    """K3's element markers as structural-tag pieces: (open, close, sep, `element(marker, header)`)."""
+    open_, close, sep = (tag.TokenFormat(token=t) for t in markers)
+
+    def element(marker: tag.TokenFormat, header: str) -> list[tag.Format]:
+        return [marker, tag.ConstStringFormat(value=header), sep]
+
+    return open_, close, sep, element
+
+
+def _xtml_answer(message: XtmlMessage, ebnf: str) -> tag.Format:
+    """The rest of K3's assistant message with a JSON answer: [reasoning, think closed, response
+    opened], the JSON, the response and the message closed."""
+    open_, close, _, element = _xtml_elements(message.markers)
+    head = [tag.RegexFormat(pattern=FREE_TEXT), *element(close, "think"), *element(open_, "response")] \
+        if message.thinking else []
+    return tag.SequenceFormat(elements=[*head, tag.GrammarFormat(grammar=ebnf), *element(close, "response"),
+                                        *element(close, "message")])
+
+
+def _xtml_message(tool_calls: ToolCallsFormat, arguments: dict) -> tag.Format:
+    """The rest of K3's assistant message: [reasoning, think closed, response opened], the response
+    closed empty, the tools channel of calls with a json block each, the message closed."""
+    open_, close, sep, element = _xtml_elements(tool_calls.markers)
+
+    calls = [tag.SequenceFormat(elements=[
+        open_, tag.ConstStringFormat(value=f'call tool="{name}" index="'), tag.RegexFormat(pattern=XTML_CALL_INDEX),
+        tag.ConstStringFormat(value='"'), sep, *element(open_, 'json type="object"'), grammar,
+        *element(close, "json"), *element(close, "call")]) for name, grammar in arguments.items()]
+    call = calls[0] if len(calls) == 1 else tag.OrFormat(elements=calls)
+    head = [tag.RegexFormat(pattern=FREE_TEXT), *element(close, "think"), *element(open_, "response")] \
+        if tool_calls.thinking else []
+    return tag.SequenceFormat(elements=[
+        *head, *element(close, "response"), *element(open_, "tools"),
+        tag.PlusFormat(content=call) if tool_calls.parallel else call, *element(close, "tools"),
+        *element(close, "message")])
 
 
 def check_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None = None) -> None:
