@@ -24,7 +24,7 @@ Tokenizers pass `<|media_begin|>` / `<|media_pad|>` instead when their vocabular
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from k3ray.tokenizer import special as sp
@@ -99,20 +99,25 @@ def collect_media(messages: Sequence[dict]) -> list[MediaItem]:
 
 
 def _check_conversation(messages: Sequence[dict], continue_final_message: bool) -> None:
+    check_messages(messages, ROLES)
+    if continue_final_message and messages[-1]["role"] != "assistant":
+        raise ValueError(
+            f"continue_final_message=True needs a final assistant message, got role {messages[-1]['role']!r}"
+        )
+
+
+def check_messages(messages: Sequence[dict], roles: Sequence[str]) -> None:
+    """A non-empty list of dicts, each with one of `roles` and a string name if any (ValueError naming it)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError(f"messages must be a non-empty list of message dicts, got {messages!r:.80}")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{index}] must be a dict, got {type(message).__name__}")
-        if message.get("role") not in ROLES:
-            raise ValueError(f"messages[{index}] has unknown role {message.get('role')!r}; expected one of {ROLES}")
+        if message.get("role") not in roles:
+            raise ValueError(f"messages[{index}] has unknown role {message.get('role')!r}; expected one of {tuple(roles)}")
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise ValueError(f"messages[{index}].name must be a string, got {type(name).__name__}")
-    if continue_final_message and messages[-1]["role"] != "assistant":
-        raise ValueError(
-            f"continue_final_message=True needs a final assistant message, got role {messages[-1]['role']!r}"
-        )
 
 
 def _render_message(message: dict, where: str, media_begin: str, placeholder: str) -> list[ChatSegment]:
@@ -135,6 +140,16 @@ def _render_message(message: dict, where: str, media_begin: str, placeholder: st
 
 
 def _content_segments(content: Any, where: str, media_begin: str, placeholder: str) -> list[ChatSegment]:
+    def media(kind: str) -> list[ChatSegment]:
+        return [_control(media_begin), _text(kind), _control(sp.MEDIA_CONTENT), _control(placeholder),
+                _control(sp.MEDIA_END), _text("\n")]
+
+    return content_segments(content, where, media)
+
+
+def content_segments(content: Any, where: str, media: Callable[[str], list[ChatSegment]]) -> list[ChatSegment]:
+    """A message's content (a string, or text / image_url / video_url parts) as segments; `media`
+    gives an image or video item's segments by its kind."""
     if isinstance(content, str):
         return [_text(content)]
     if not isinstance(content, list):
@@ -142,11 +157,7 @@ def _content_segments(content: Any, where: str, media_begin: str, placeholder: s
     out: list[ChatSegment] = []
     for index, part in enumerate(content):
         kind = part_kind(part, f"{where}[{index}]")
-        if kind == "text":
-            out.append(_text(part["text"]))
-        else:
-            out += [_control(media_begin), _text(kind), _control(sp.MEDIA_CONTENT)]
-            out += [_control(placeholder), _control(sp.MEDIA_END), _text("\n")]
+        out += [_text(part["text"])] if kind == "text" else media(kind)
     return out
 
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from k3ray.tokenizer import special as sp
-from k3ray.tokenizer.chat import ChatSegment, deep_sorted, part_kind
+from k3ray.tokenizer.chat import ChatSegment, check_messages, content_segments, deep_sorted
 from k3ray.tokenizer.chat_options import ChatOptions
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -88,7 +88,7 @@ def render_xtml_chat(
             attrs["index"] = str(tool_position)
         elif message.get("name"):
             attrs["name"] = message["name"]
-        out += _open("message", attrs) + _content(message.get("content"), f"{where}.content", media_prompt)
+        out += _open("message", attrs) + content_segments(message.get("content"), f"{where}.content", media_prompt)
         out += _close("message") + [_control(sp.END_OF_MSG)]
     choice = options.tool_choice_mode()
     if choice in TOOL_CHOICE_TEXT:
@@ -124,16 +124,8 @@ def argument_type(value: Any) -> str:
 
 
 def _check(messages: Sequence[dict], continue_final_message: bool) -> None:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError(f"messages must be a non-empty list of message dicts, got {messages!r:.80}")
+    check_messages(messages, ROLES)
     for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"messages[{index}] must be a dict, got {type(message).__name__}")
-        if message.get("role") not in ROLES:
-            raise ValueError(f"messages[{index}] has unknown role {message.get('role')!r}; expected one of {ROLES}")
-        name = message.get("name")
-        if name is not None and not isinstance(name, str):
-            raise ValueError(f"messages[{index}].name must be a string, got {type(name).__name__}")
         if message["role"] in ("system", "developer", "user", "tool") and message.get("content") is None:
             raise ValueError(f"messages[{index}] (role {message['role']!r}) has no content")
     if continue_final_message:
@@ -203,7 +195,7 @@ def _assistant(message: dict, where: str, thinking: bool, is_open: bool, media_p
         if is_open and not content:  # continue inside the reasoning
             return out
         out += _close("think")
-    out += _open("response", {}) + ([] if content is None else _content(content, f"{where}.content", media_prompt))
+    out += _open("response", {}) + ([] if content is None else content_segments(content, f"{where}.content", media_prompt))
     if is_open:
         return out
     out += _close("response")
@@ -246,21 +238,6 @@ def _arguments(arguments: Any, where: str) -> list[ChatSegment]:
     for key, value in arguments.items():
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         out += _open("argument", {"key": str(key), "type": argument_type(value)}) + [_text(text)] + _close("argument")
-    return out
-
-
-def _content(content: Any, where: str, media_prompt: Callable) -> list[ChatSegment]:
-    if isinstance(content, str):
-        return [_text(content)]
-    if not isinstance(content, list):
-        raise ValueError(f"{where} must be a string or a list of parts, got {type(content).__name__}")
-    out: list[ChatSegment] = []
-    for index, part in enumerate(content):
-        kind = part_kind(part, f"{where}[{index}]")
-        if kind == "text":
-            out.append(_text(part["text"]))
-        else:
-            out += media_prompt(kind)
     return out
 
 

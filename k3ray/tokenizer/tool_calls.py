@@ -107,7 +107,37 @@ class SpecialTokens:
         return next((n for n in range(min(len(text), self.longest - 1), 0, -1) if text[-n:] in self.prefixes), 0)
 
 
-class ToolCallParser:
+class SpecialTextReader:
+    """Output text fed piece by piece, split into text and whole special tokens (`_text`, `_token`);
+    the tail that may still grow into a special token is held back until the next piece."""
+
+    specials: SpecialTokens
+    _pending: str
+    _delta: ParsedDelta
+
+    def feed(self, text: str) -> ParsedDelta:
+        """What `text`, the output's next piece, adds."""
+        self._delta = ParsedDelta()
+        text = self._pending + text
+        start = 0
+        for match in self.specials.pattern.finditer(text):
+            self._text(text[start:match.start()])
+            self._token(match.group())
+            start = match.end()
+        rest = text[start:]
+        held = self.specials.held_back(rest)
+        self._text(rest[:len(rest) - held])
+        self._pending = rest[len(rest) - held:]
+        return self._delta
+
+    def _text(self, text: str) -> None:
+        raise NotImplementedError
+
+    def _token(self, token: str) -> None:
+        raise NotImplementedError
+
+
+class ToolCallParser(SpecialTextReader):
     """Feed the output text piece by piece (`feed`), then `finish`; or `parse` it whole."""
 
     def __init__(self, specials: SpecialTokens | None = None, keep_specials: bool = False,
@@ -134,20 +164,6 @@ class ToolCallParser:
         content = parser.feed(text).content + parser.finish(streamed=False).content
         return ParsedOutput(content, parser.calls)
 
-    def feed(self, text: str) -> ParsedDelta:
-        """What `text`, the output's next piece, adds."""
-        self._delta = ParsedDelta()
-        text = self._pending + text
-        start = 0
-        for match in self.specials.pattern.finditer(text):
-            self._text(text[start:match.start()])
-            self._token(match.group())
-            start = match.end()
-        rest = text[start:]
-        held = self.specials.held_back(rest)
-        self._text(rest[:len(rest) - held])
-        self._pending = rest[len(rest) - held:]
-        return self._delta
 
     def finish(self, streamed: bool = True, truncated: bool = False) -> ParsedDelta:
         """The end of the output: held-back text, and a call header never finished, are content; so

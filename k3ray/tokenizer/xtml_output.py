@@ -26,7 +26,7 @@ import re
 from typing import Any
 
 from k3ray.tokenizer import special as sp
-from k3ray.tokenizer.tool_calls import CallStart, ParsedDelta, SpecialTokens, ToolCall
+from k3ray.tokenizer.tool_calls import CallStart, ParsedDelta, SpecialTextReader, SpecialTokens, ToolCall
 
 MESSAGE_END = sp.CLOSE + "message" + sp.SEP  # K3's stop sequence: the assistant message's close
 THINK, RESPONSE, BETWEEN, TOOLS, CALL, ARGUMENT, JSON_BLOCK, DONE = (
@@ -62,7 +62,7 @@ def decode_argument(value: str, kind: str) -> Any:
         return value
 
 
-class XtmlOutputParser:
+class XtmlOutputParser(SpecialTextReader):
     """Feed the output text (decoded with its special tokens) piece by piece, then `finish`; or `parse`."""
 
     def __init__(self, specials: SpecialTokens | None = None, thinking: bool = True, keep_specials: bool = False,
@@ -89,20 +89,6 @@ class XtmlOutputParser:
         parser = cls(kwargs.pop("specials", None), **kwargs)
         return parser.feed(text).joined(parser.finish())
 
-    def feed(self, text: str) -> ParsedDelta:
-        """What `text`, the output's next piece, adds."""
-        self._delta = ParsedDelta()
-        text = self._pending + text
-        start = 0
-        for match in self.specials.pattern.finditer(text):
-            self._text(text[start:match.start()])
-            self._token(match.group())
-            start = match.end()
-        rest = text[start:]
-        held = self.specials.held_back(rest)
-        self._text(rest[:len(rest) - held])
-        self._pending = rest[len(rest) - held:]
-        return self._delta
 
     def finish(self) -> ParsedDelta:
         """The end of the output: held-back text is read as text; an unfinished call or element is dropped."""
