@@ -29,6 +29,9 @@ from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.evals.target import Prompt
 from k3ray.sampling_params import RequestOutputKind, SamplingParams
 from k3ray.tokenizer.chat import normalize_chat_role
+from k3ray.tokenizer.chat_format import output_reasons
+from k3ray.tokenizer.tool_calls import SpecialTokens
+from k3ray.tokenizer.xtml_output import MESSAGE_END, XtmlOutputParser
 from k3ray.vision import ProcessedMedia
 from k3ray.vision.placeholders import expand_placeholders
 
@@ -110,7 +113,12 @@ class EngineTarget:
         if length + max_tokens > self.max_context:
             raise ValueError(f"the prompt has {length} tokens; with max_tokens={max_tokens} it needs "
                              f"{length + max_tokens}, more than max_context={self.max_context}")
-        return self.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), media).outputs[0].text
+        if isinstance(prompt, str) or not output_reasons(self.tokenizer):
+            return self.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), media).outputs[0].text
+        # K3's chat output: its response channel is the answer, as the chat route's `content` (never the thinking)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False, stop=[MESSAGE_END])
+        text = self.generate(ids, params, media).outputs[0].text
+        return XtmlOutputParser.parse(text, specials=SpecialTokens.of(self.tokenizer)).content
 
     def generate(self, ids: Sequence[int], params: SamplingParams,
                  media: Sequence[ProcessedMedia] | None = None) -> RequestOutput:

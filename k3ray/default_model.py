@@ -3,7 +3,7 @@ name, or none for the embedded default: a deterministic tiny K3 checkpoint writt
 a cache dir.
 
 Same format as the published K3 checkpoint (sharded safetensors, MXFP4 experts, config.json)
-plus the byte-level tokenizer's config, so every code path that loads K3 loads it too."""
+plus the byte-level tokenizer's config (with K3's special tokens and XTML chat format), so every code path that loads K3 loads it too."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import tempfile
 from k3ray.checkpoints import resolve_shipped
 from k3ray.config import k3_tiny_config
 
-DEFAULT_NAME = "k3-tiny-v4"  # bump when the tiny model's definition (its tokenizer files too) changes
+DEFAULT_NAME = "k3-tiny-v5"  # bump when the tiny model's definition (its tokenizer files too) changes
 DEFAULT_SEED = 0
 
 
@@ -30,6 +30,7 @@ def write_tiny_checkpoint(path: str, seed: int = DEFAULT_SEED, max_shard_bytes: 
 
     from k3ray.models.init import build_model
     from k3ray.tokenizer.byte import ByteTokenizer
+    from k3ray.tokenizer.chat_format import KIMI_K3_XTML
     from k3ray.vision.model import build_vision_model
     from k3ray.weights.writer import save_checkpoint
 
@@ -37,7 +38,7 @@ def write_tiny_checkpoint(path: str, seed: int = DEFAULT_SEED, max_shard_bytes: 
     model = build_model(config, torch.bfloat16, seed=seed)
     vision = build_vision_model(config.vision, torch.bfloat16, seed=seed)
     save_checkpoint(model, path, max_shard_bytes=max_shard_bytes, vision=vision)
-    ByteTokenizer(vocab_size=config.vocab_size).save_pretrained(path)
+    ByteTokenizer(vocab_size=config.vocab_size, chat_format=KIMI_K3_XTML).save_pretrained(path)  # K3's own chat format
     return path
 
 

@@ -52,6 +52,19 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def k2_tiny_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """The tiny K3 with Kimi K2's tokenizer and chat format (the shipped fixtures' format)."""
+    import shutil
+
+    from k3ray.tokenizer import ByteTokenizer
+
+    path = tmp_path_factory.mktemp("k3-tiny-k2") / "checkpoint"
+    shutil.copytree(tiny_checkpoint, path)
+    ByteTokenizer(vocab_size=512).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """A real multi-node Ray cluster on loopback: a head and two workers with custom resources
     (`stage_node` on worker 1, `shard_node` on worker 2) so tests can place actors per node.

@@ -195,7 +195,7 @@ def _media_part(kind: str, url: dict) -> dict:
             "properties": {"type": {"const": kind}, kind: source}}
 
 
-_URL = {"type": "string"}
+_URL = {"type": "string", LIMIT: "media_url"}  # a URL of a scheme this server reads
 _FRAMES = {"type": "array", "items": _URL, "minItems": 1}  # a video as the URLs of its frames
 _MEDIA_PARTS = [_media_part("image_url", _URL), _media_part("video_url", {"anyOf": [_URL, _FRAMES]})]
 _CONTENT = _content_schema([_TEXT_PART, *_MEDIA_PARTS])
@@ -280,6 +280,13 @@ class NamedToolChoice(OpenAIModel):
 
 
 Tools = Annotated[list[Tool], Field(description="function names are unique")]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+_TEMPLATE_KWARGS = {  # what K3's and K2's formats take; a Jinja checkpoint's template takes any key
+    "type": "object", "additionalProperties": False, "properties": {
+        "thinking": {"type": ["boolean", "null"], "description": "false turns K3's thinking off"},
+        "enable_thinking": {"type": ["boolean", "null"], "description": "thinking's other name (used if it is absent)"},
+        "thinking_effort": {"enum": ["low", "high", "max", None], "description": "default max; null: none stated"}}}
+ChatTemplateKwargs = Annotated[dict[str, Any], WithJsonSchema(_TEMPLATE_KWARGS)]
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
@@ -301,10 +308,16 @@ class ChatCompletionRequest(SamplingFields):
                           "it calls one or more (one with parallel_tool_calls=false); a named function: it calls "
                           "that one. required and a named function constrain the output to the call")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
+    # OpenAI's deprecated forms of tools / tool_choice: a 400 saying so, never silently ignored
+    functions: Annotated[Any, WithJsonSchema(_ABSENT)] = None
+    function_call: Annotated[Any, WithJsonSchema(_ABSENT)] = None
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="none turns thinking off; K3 thinks at low (minimal, low), high (medium, high) or max "
+                          "(xhigh, max)")
     # vLLM chat-template extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -318,6 +331,10 @@ class TokenizeRequest(OpenAIModel):
     prompt: str | None = None
     messages: Messages | None = None
     tools: Tools | None = None
+    tool_choice: ToolChoice | None = Field(None, description="what K3's prompt states of it (required, none)")
+    response_format: ResponseFormat | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
@@ -30,14 +30,18 @@ from k3ray.actors.openai.protocol import (
     ResponseFormat,
     SamplingFields,
 )
+from k3ray.actors.openai.choice_output import reads_output
 from k3ray.actors.openai.tools import ToolPlan, tool_calls_error_message
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.engine_client import EngineClient
 from k3ray.engine.media_inputs import MediaInputError, media_parts
 from k3ray.engine.outputs import FinishTally, OutputAccumulator, RequestOutput
 from k3ray.engine.structured_output import check_grammar  # xgrammar: imported with the server, not on a request
-from k3ray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from k3ray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, XtmlMessage
 from k3ray.tokenizer.chat import MEDIA_PART_KINDS, normalize_chat_role
+from k3ray.tokenizer.chat_format import output_reasons
+from k3ray.tokenizer.chat_options import ChatOptions
+from k3ray.tokenizer.xtml_output import MESSAGE_END, xtml_marker_ids
 from k3ray.vision import ProcessedMedia, expand_placeholders
 
 AUDIO_PART_TYPES = ("input_audio", "audio_url")
@@ -74,7 +78,15 @@ class OpenAIServing:
     # models ------------------------------------------------------------------------------------
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "k3ray",
-                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
+                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len,
+                "chat_format": self.tokenizer.chat_format}
+
+    def media_url_schemes(self) -> tuple[str, ...]:
+        """The URL schemes a media part may use here: data, plus http(s) and file where allowed."""
+        mm = self.info.multimodal if self.info.supports_media else None
+        remote = ("http", "https") if mm is not None and mm.allow_remote_urls else ()
+        local = ("file",) if mm is not None and mm.allowed_local_media_path else ()
+        return ("data", *remote, *local)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -107,9 +119,10 @@ class OpenAIServing:
         return out
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool, tools: list[dict] | None = None) -> list[int]:
+                    continue_final_message: bool, tools: list[dict] | None = None,
+                    options: ChatOptions | None = None) -> list[int]:
         """The ids the model sees (/tokenize): media placeholders expanded to their token counts."""
-        dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message, tools)
+        dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message, tools, options)
         media = self._chat_media(dicts) if media_parts(dicts) else []  # a text-only model has no media config
         if not media:
             return ids
@@ -120,14 +133,15 @@ class OpenAIServing:
             raise bad_request(str(e), "messages") from e
 
     async def chat_input(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                         continue_final_message: bool, tools: list[dict] | None = None) -> Prompt:
+                         continue_final_message: bool, tools: list[dict] | None = None,
+                         options: ChatOptions | None = None) -> Prompt:
         """Chat ids plus their images / videos, decoded and preprocessed off the event loop."""
-        dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message, tools)
+        dicts, ids = self._chat_ids(messages, add_generation_prompt, continue_final_message, tools, options)
         media = await asyncio.to_thread(self._chat_media, dicts) if media_parts(dicts) else []
         return Prompt(ids, None, tuple(media))
 
-    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                  continue_final_message: bool, tools: list[dict] | None) -> tuple[list[dict], list[int]]:
+    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                  tools: list[dict] | None, options: ChatOptions | None) -> tuple[list[dict], list[int]]:
         dicts = []
         for i, message in enumerate(messages):
             d = normalize_chat_role(message.model_dump(exclude_none=True))
@@ -140,7 +154,8 @@ class OpenAIServing:
                                       f"messages[{i}].content[{j}]", "unsupported_content")
             dicts.append(d)
         try:
-            return dicts, self.tokenizer.encode_chat(dicts, add_generation_prompt, continue_final_message, tools)
+            return dicts, self.tokenizer.encode_chat(dicts, add_generation_prompt, continue_final_message, tools,
+                                                     options)
         except ValueError as e:
             raise bad_request(str(e), "messages") from e
 
@@ -188,14 +203,25 @@ class OpenAIServing:
 
     # sampling ----------------------------------------------------------------------------------
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None, tools: ToolPlan | None = None) -> SamplingParams:
-        """tools: a chat request's tool plan (its grammar, stop tokens, and text with special tokens)."""
+                        prompt_logprobs: int | None = None, tools: ToolPlan | None = None,
+                        options: ChatOptions | None = None) -> SamplingParams:
+        """tools: a chat request's tool plan (its grammar, stop tokens); options: a chat request's
+        (whose output is then read by its format's parser, from text with special tokens)."""
         _reject_unsupported(req)
         structured_outputs = _structured_outputs(req.response_format)
         stop_token_ids = tuple(req.stop_token_ids or ())
+        stop = req.stop
+        reads = options is not None and reads_output(self.tokenizer, tools)
         if tools is not None:
             structured_outputs = tools.structured_outputs or structured_outputs
             stop_token_ids += tuple(t for t in tools.stop_token_ids if t not in stop_token_ids)
+            for extra in tools.stop:
+                stop = _with_stop(stop, extra)
+        if options is not None and output_reasons(self.tokenizer):
+            stop = _with_stop(stop, MESSAGE_END)
+            if structured_outputs is not None and structured_outputs.tool_calls is None:  # the answer's channel
+                structured_outputs = replace(structured_outputs, xtml=XtmlMessage(xtml_marker_ids(self.tokenizer),
+                                                                                  options.thinking_on()))
         try:
             params = SamplingParams(
                 n=req.n,
@@ -205,13 +231,13 @@ class OpenAIServing:
                 min_p=0.0 if req.min_p is None else req.min_p,
                 seed=req.seed,
                 max_tokens=max_tokens,
-                stop=req.stop,
+                stop=stop,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens and not (tools is not None and tools.parse),
+                skip_special_tokens=req.skip_special_tokens and not reads,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -306,6 +332,11 @@ def request_error(e: ValueError) -> APIError:
 def check_stream_options(req: SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be given with stream=true", "stream_options")
+
+
+def _with_stop(stop: str | list[str] | None, extra: str) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    return stops if extra in stops else [*stops, extra]
 
 
 def _reject_unsupported(req: SamplingFields) -> None:

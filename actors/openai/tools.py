@@ -1,18 +1,17 @@
 """Tool calling on /v1/chat/completions: a request's tools and tool_choice -> what the chat template
-declares and how decoding runs (`ToolPlan`), and the model's tool-call section -> OpenAI's
-`tool_calls` (`ChoiceTools`: a whole message, or streamed `delta.tool_calls`).
+declares and how decoding runs (`ToolPlan`); choice_output.py reads the calls back.
 
 tool_choice `auto` (the default with tools) leaves the model free and parses what it writes;
 `required` and a named function constrain decoding to a call section (a grammar over the marker
-tokens and each function's strict-JSON parameters, StructuredOutputsParams.tool_calls); `none`
-declares the tools but stops the output where a section would start. Outputs are parsed from text
-decoded with its special tokens (k3ray.tokenizer.tool_calls); the other special tokens are then
-dropped from content unless the request keeps them (skip_special_tokens=false).
+tokens and each function's strict-JSON parameters, StructuredOutputsParams.tool_calls: K2's section,
+or K3's tools channel after its reasoning); `none` declares the tools but stops the output where a
+section would start (K3's prompt also says so). Outputs are parsed from text decoded with its special
+tokens; the other special tokens are then dropped from content unless the request keeps them
+(skip_special_tokens=false).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
@@ -22,8 +21,12 @@ from k3ray.actors.openai.protocol import ChatCompletionRequest, NamedToolChoice
 from k3ray.engine.structured_output import check_grammar
 from k3ray.sampling_params import StructuredOutputsParams, ToolCallsFormat
 from k3ray.strict_json import renamed
-from k3ray.tokenizer.tool_calls import ParsedDelta, SpecialTokens, ToolCall, ToolCallParser, marker_ids
+from k3ray.tokenizer import special as sp
+from k3ray.tokenizer.chat_format import output_reasons
+from k3ray.tokenizer.tool_calls import marker_ids
+from k3ray.tokenizer.xtml_output import xtml_marker_ids
 
+TOOLS_OPEN = sp.OPEN + "tools" + sp.SEP  # tool_choice none stops K3's output where its tools channel would open
 NO_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes none
 _TOOL_SCHEMA_FIELD = re.compile(r"structured_outputs\.tool_calls\['([A-Za-z0-9_-]+)'\]\.parameters")
 
@@ -35,12 +38,15 @@ class ToolPlan:
     tools: list[dict] | None  # declared in the prompt
     parse: bool  # whether the output is read for calls (the text then keeps its special tokens)
     structured_outputs: StructuredOutputsParams | None  # required / a named function
-    stop_token_ids: tuple[int, ...]  # none: the section's first marker
+    stop_token_ids: tuple[int, ...]  # none, K2: the section's first marker
     max_calls: int | None
+    stop: tuple[str, ...] = ()  # none, K3: the tools channel's open
 
 
-def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | None) -> ToolPlan | None:
-    """The plan of req (None without tools and tool_choice); an APIError (400) naming the field."""
+def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | None,
+              thinking: bool = True) -> ToolPlan | None:
+    """The plan of req (None without tools and tool_choice); an APIError (400) naming the field.
+    thinking: whether the prompt opens K3's think channel (the grammar starts there)."""
     tools = req.tools or []
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if not tools:
@@ -51,8 +57,9 @@ def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | Non
     duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
     if duplicate is not None:
         raise bad_request(f"two tools are named {duplicate!r}: function names must be unique", "tools")
+    xtml = output_reasons(tokenizer)
     try:
-        markers = marker_ids(tokenizer)
+        markers = xtml_marker_ids(tokenizer) if xtml else marker_ids(tokenizer)
     except ValueError as e:
         raise bad_request(f"tools are not supported by this model: {e}", "tools", "unsupported_parameter") from e
     functions = [(t.function.name, _parameters(t.function.parameters, i, max_schema_bytes))
@@ -60,6 +67,8 @@ def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | Non
     declared = [t.model_dump(exclude_none=True) for t in tools]
     parallel = req.parallel_tool_calls is not False
     if choice == "none":
+        if xtml:
+            return ToolPlan(declared, False, None, (), 0, (TOOLS_OPEN,))
         return ToolPlan(declared, False, None, (markers[0],), None)
     if choice == "auto":
         return ToolPlan(declared, True, None, (), None if parallel else 1)
@@ -74,7 +83,8 @@ def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | Non
             raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not one of "
                               f"tools ({', '.join(names)})", "tool_choice")
         functions, parallel = [f for f in functions if f[0] == choice.function.name], False
-    grammar = StructuredOutputsParams(tool_calls=ToolCallsFormat(tuple(functions), markers, parallel))
+    style = {"style": "xtml", "thinking": thinking} if xtml else {}
+    grammar = StructuredOutputsParams(tool_calls=ToolCallsFormat(tuple(functions), markers, parallel, **style))
     return ToolPlan(declared, True, grammar, (), None if parallel else 1)
 
 
@@ -92,51 +102,3 @@ def tool_calls_error_message(message: str) -> str:
     """A message about structured_outputs.tool_calls as one about the client's tools."""
     message = _TOOL_SCHEMA_FIELD.sub(lambda m: f"the parameters of tool {m.group(1)!r}", message)
     return message.replace("structured_outputs.tool_calls", "tools")
-
-
-@functools.cache
-def _special_tokens(tokenizer) -> SpecialTokens:
-    return SpecialTokens.of(tokenizer)
-
-
-class ChoiceTools:
-    """One choice's output read for tool calls: the message, or its stream's deltas."""
-
-    def __init__(self, plan: ToolPlan, tokenizer, skip_special_tokens: bool) -> None:
-        self.parser = ToolCallParser(_special_tokens(tokenizer), not skip_special_tokens, plan.max_calls)
-
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The whole output's message and finish_reason (a call that did not finish is content)."""
-        content = self.parser.feed(text).content + self.parser.finish(streamed=False).content
-        calls = self.parser.calls
-        message = {"role": "assistant", "content": content or (None if calls else "")}
-        if calls:
-            message["tool_calls"] = [_call(c) for c in calls]
-        return message, _finish_reason(calls, finish_reason)
-
-    def delta(self, text: str, finished: bool, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The stream's delta for the output's next text (and its finish_reason once finished)."""
-        parsed = self.parser.feed(text)
-        if finished:
-            end = self.parser.finish(streamed=True)
-            parsed.content += end.content
-        return _delta(parsed), _finish_reason(self.parser.calls, finish_reason) if finished else None
-
-
-def _finish_reason(calls: list[ToolCall], finish_reason: str | None) -> str | None:
-    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
-
-
-def _call(c: ToolCall) -> dict:
-    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-
-
-def _delta(parsed: ParsedDelta) -> dict:
-    delta: dict = {"content": parsed.content} if parsed.content else {}
-    calls = [{"index": c.index, "id": c.id, "type": "function",
-              "function": {"name": c.name, "arguments": parsed.arguments.get(c.index, "")}} for c in parsed.started]
-    started = {c.index for c in parsed.started}
-    calls += [{"index": i, "function": {"arguments": text}} for i, text in parsed.arguments.items() if i not in started]
-    if calls:
-        delta["tool_calls"] = calls
-    return delta

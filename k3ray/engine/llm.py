@@ -38,6 +38,8 @@ from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.stats import EngineStats
 from k3ray.models.k3 import K3ForCausalLM
 from k3ray.sampling_params import RequestOutputKind, SamplingParams
+from k3ray.tokenizer.chat_format import JINJA
+from k3ray.tokenizer.chat_options import options_from_kwargs
 from k3ray.tokenizer.load import tokenizer_for
 from k3ray.vision import K3VisionModel, MediaConfig, ProcessedMedia, has_vision_weights, load_vision
 from k3ray.weights.loader import load_model
@@ -107,16 +109,21 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: Seq[dict] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of OpenAI-style messages) or a list of them, through the chat
-        template; image_url / video_url parts carry base64 data: URLs (see k3ray.engine.media_inputs)."""
+        """One conversation (a list of OpenAI-style messages) or a list of them, through the
+        checkpoint's chat format (chat_template_kwargs: K3's `thinking` / `thinking_effort`, or what a
+        Jinja template reads); image_url / video_url parts carry base64 data: URLs (see
+        k3ray.engine.media_inputs). The text is the model's raw output, channels and all."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; give the LLM one")
+        options = options_from_kwargs(chat_template_kwargs, any_kwargs=self.tokenizer.chat_format == JINJA)
         messages = list(messages)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else [list(c) for c in messages]
         inputs = []
         for conversation in conversations:
-            ids = self.tokenizer.encode_chat(conversation, add_generation_prompt, continue_final_message)
+            ids = self.tokenizer.encode_chat(conversation, add_generation_prompt, continue_final_message, tools, options)
             media = None
             if media_parts(conversation):
                 self._media_config()  # a model without a vision tower refuses media by name

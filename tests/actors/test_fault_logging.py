@@ -21,15 +21,15 @@ MODEL = "k3-down"
 
 
 @pytest.fixture(scope="module")
-def client(tiny_checkpoint):
-    executor = LocalExecutor(load_model(tiny_checkpoint))
+def client(k2_tiny_checkpoint):  # K2's short chat prompt fits the 128-token context
+    executor = LocalExecutor(load_model(k2_tiny_checkpoint))
 
     def lost_stage(plan):
         raise StageFailure("model step failed: an actor of the pipeline died (ActorUnavailableError)")
 
     executor.execute = lost_stage  # a real engine whose executor has lost a pipeline actor
     engine = LLMEngine(executor, EngineConfig(num_blocks=16, block_size=8, max_model_len=128),
-                       load_tokenizer(tiny_checkpoint))
+                       load_tokenizer(k2_tiny_checkpoint))
     app = build_openai_app(OpenAIServing(AsyncEngine(engine), engine.tokenizer, MODEL), retry_after_s=2)
     with TestClient(app) as c:  # raises whatever the app re-raises to the server
         yield c

@@ -51,6 +51,10 @@ def test_echo_only_requests_add_no_generation_tokens(client, stream):
     assert generated_total(client) == before + 3
 
 
-def test_tokenizer_info_carries_the_chat_template(client):
+def test_tokenizer_info_names_the_chat_format(client):
+    """The default tiny K3 speaks K3's XTML, which has no Jinja template (as K3's release tokenizer)."""
     info = client.get("/tokenizer_info").json()
-    assert info["chat_template"] and "<|im_assistant|>" in info["chat_template"]
+    assert info["chat_format"] == "kimi_k3_xtml" and info["chat_template"] is None
+    assert "<|open|>" in info["special_tokens"] and "<|end_of_msg|>" in info["special_tokens"]
+    (card,) = client.get("/v1/models").json()["data"]
+    assert card["chat_format"] == "kimi_k3_xtml"

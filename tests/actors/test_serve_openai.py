@@ -1,5 +1,7 @@
 """The live Serve app on loopback, driven by the official `openai` client; greedy outputs and
-echoed prompt logprobs are checked against the tiny K3 run directly (`K3`, no engine, no server)."""
+echoed prompt logprobs are checked against the tiny K3 run directly (`K3`, no engine, no server).
+The chat route's output is plain text here: the checkpoint speaks Kimi K2's format (K3's XTML, whose
+output is read as channels: test_serve_xtml.py)."""
 
 import json
 import os
@@ -27,9 +29,9 @@ GRAMMAR_COMPILE_TIMEOUT_S = 10  # a grammar that takes longer to compile answers
 
 
 @pytest.fixture(scope="module")
-def server(serve_app, tiny_checkpoint):
+def server(serve_app, k2_tiny_checkpoint):
     return serve_app(
-        {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+        {"model": {"model": k2_tiny_checkpoint}, "server": {"served_model_name": MODEL},
          "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 8,
                     "grammar_compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S}}
     )
@@ -41,8 +43,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def k3(tiny_checkpoint):
-    return K3.load(tiny_checkpoint)
+def k3(k2_tiny_checkpoint):
+    return K3.load(k2_tiny_checkpoint)
 
 
 def greedy_ids(k3: K3, prompt_ids: list[int], n: int) -> list[int]:

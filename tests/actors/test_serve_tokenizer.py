@@ -27,6 +27,6 @@ def engine_args(model, tokenizer=None) -> ServeArgs:
 
 def test_a_tokenizer_named_elsewhere_serves_a_bare_checkpoint(bare_checkpoint, tiny_checkpoint):
     engine, _ = build_engine(engine_args(bare_checkpoint, tiny_checkpoint))
-    assert engine.tokenizer.vocab_size == 512 and engine.tokenizer.chat_template
+    assert engine.tokenizer.vocab_size == 512 and engine.tokenizer.chat_format == "kimi_k3_xtml"
     with pytest.raises(ValueError, match="no tokenizer in"):
         build_engine(engine_args(bare_checkpoint))

@@ -1,4 +1,5 @@
-"""Tool calling on the live Serve app with the official `openai` client and the random tiny K3:
+"""Tool calling in Kimi K2's format (the shipped fixtures'; K3's XTML: test_serve_xtml.py) on the live
+Serve app with the official `openai` client and the random tiny K3:
 tool_choice required and a named function give calls whose arguments match 20 generated schemas
 (streamed and not, n > 1, the streamed fragments adding up to the same arguments), a tool result
 goes back in a second turn, none never calls, and the errors name their field."""
@@ -48,8 +49,8 @@ def tool(name: str, parameters: dict | None = None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(serve_app, tiny_checkpoint):
-    return serve_app({"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+def server(serve_app, k2_tiny_checkpoint):
+    return serve_app({"model": {"model": k2_tiny_checkpoint}, "server": {"served_model_name": MODEL},
                       "engine": {"max_model_len": 1024, "cache_memory_mb": 32, "max_num_seqs": 16}})
 
 

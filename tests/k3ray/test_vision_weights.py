@@ -142,7 +142,7 @@ def test_load_vision_needs_a_vision_config(models, tmp_path):
 
 
 def test_default_tiny_checkpoint_carries_the_tower(tiny_checkpoint):
-    assert DEFAULT_NAME == "k3-tiny-v4"
+    assert DEFAULT_NAME == "k3-tiny-v5"
     assert has_vision_weights(tiny_checkpoint)
     model = load_vision(tiny_checkpoint, dtype=torch.bfloat16)
     rgb = np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8)
