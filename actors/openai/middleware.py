@@ -14,21 +14,24 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the open ones, else 401."""
+    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every route but the open
+    ones, else 401."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _route_path(scope) in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        headers = dict(scope["headers"])
+        scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")
         # the scheme is case-insensitive (RFC 9110): `bearer KEY` is as good as `Bearer KEY`
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.expected):
-            err = APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>`.", None,
-                           "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected)
+        if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.expected):
+            err = APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>` or "
+                           "`x-api-key: <key>`.", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             await err.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -71,7 +74,7 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
-def _route_path(scope: Scope) -> str:
+def route_path(scope: Scope) -> str:
     """The path below the app's mount point (Serve's route_prefix arrives as root_path)."""
     path, root = scope["path"], scope.get("root_path", "")
     return (path[len(root):] or "/") if root and path.startswith(root) else path

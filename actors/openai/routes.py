@@ -1,4 +1,5 @@
-"""The FastAPI app of one replica: OpenAI routes, vLLM's tokenizer routes, /health and /metrics.
+"""The FastAPI app of one replica: OpenAI routes, Anthropic's /v1/messages, vLLM's tokenizer routes,
+/health and /metrics.
 
     app = build_openai_app(serving, metrics=ServeMetrics(...), health=check, api_key="...")
 
@@ -16,9 +17,13 @@ from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3ray.actors.openai.chat import create_chat_completion
+from k3ray.actors.openai.choice_output import chat_options
 from k3ray.actors.openai.completions import create_completion
 from k3ray.actors.openai.errors import ERROR_RESPONSES, APIError, bad_request, install_error_handlers
 from k3ray.actors.openai.limits import DEFAULT_MAX_BODY_BYTES
+from k3ray.actors.openai.messages import count_tokens, create_message
+from k3ray.actors.openai.messages_errors import MESSAGES_ERROR_RESPONSES, AnthropicErrorMiddleware
+from k3ray.actors.openai.messages_protocol import CountTokensRequest, MessagesRequest
 from k3ray.actors.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from k3ray.actors.openai.protocol import (
     SERVED_MODEL,
@@ -27,6 +32,8 @@ from k3ray.actors.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from k3ray.actors.openai.responses import create_response
+from k3ray.actors.openai.responses_protocol import ResponsesRequest
 from k3ray.actors.openai.schema import ServerLimits, openapi_document
 from k3ray.actors.openai.serving import OpenAIServing
 
@@ -39,12 +46,13 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
     app = FastAPI(title="k3ray", description="OpenAI-compatible API for Kimi K3 on Ray Serve",
                   responses=ERROR_RESPONSES)
     limits = ServerLimits(serving.model_name, serving.vocab_size, serving.max_model_len,
-                          serving.info.supports_media, bool(api_key))
+                          serving.info.supports_media, bool(api_key), serving.media_url_schemes())
     app.openapi = functools.partial(openapi_document, app, limits)
     install_error_handlers(app, retry_after_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: /v1/messages answers every error in its shape
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -63,6 +71,18 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await _unless_disconnected(request, create_chat_completion(serving, req))
 
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request) -> Response:
+        return await _unless_disconnected(request, create_response(serving, req))
+
+    @app.post("/v1/messages", responses=MESSAGES_ERROR_RESPONSES)
+    async def messages(req: MessagesRequest, request: Request) -> Response:
+        return await _unless_disconnected(request, create_message(serving, req))
+
+    @app.post("/v1/messages/count_tokens", responses=MESSAGES_ERROR_RESPONSES)
+    async def messages_count_tokens(req: CountTokensRequest) -> dict:
+        return await count_tokens(serving, req)
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
         serving.check_model(req.model)
@@ -72,7 +92,8 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
             ids = serving.encode_text(req.prompt)
         else:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message, tools)
+            ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message, tools,
+                                      chat_options(req, serving.tokenizer))
         body = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": None}
         if req.return_token_strs:
             body["token_strs"] = serving.tokenizer.convert_ids_to_tokens(ids)
@@ -99,6 +120,9 @@ def build_openai_app(serving: OpenAIServing, *, metrics=None, health: HealthChec
             "pad_token_id": tok.pad_token_id,
             "stop_token_ids": sorted(tok.stop_token_ids),
             "chat_template": tok.chat_template,
+            "chat_format": tok.chat_format,
+            "special_tokens": {name: token_id for name, token_id in tok.special_tokens.items()
+                               if not name.startswith("<|reserved_token_")},
             "model_max_length": serving.max_model_len,
             "add_bos_token": False,
         }

@@ -3,8 +3,9 @@
     app.openapi = functools.partial(openapi_document, app, ServerLimits(...))
 
 FastAPI documents a 422 and a JSON 200 for every route; here a failed validation is a 400, every route
-lists its errors with the OpenAI error body, the 200 bodies have their schemas, /health and /metrics
-answer text, completions also stream (text/event-stream), an API key shows as a bearer scheme, and
+lists its errors with the OpenAI error body (/v1/messages with Anthropic's), the 200 bodies have their
+schemas, /health and /metrics answer text, completions also stream (text/event-stream), an API key
+shows as a bearer scheme (/v1/messages also as x-api-key), and
 the limits that are this server's own (its model name, vocabulary, context, whether it takes media)
 are written where openai_protocol marks them, so that a request the document calls valid is served
 and one it calls invalid is a 4xx (tests/actors/test_serve_schemathesis.py holds it to that).
@@ -18,8 +19,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from k3ray.actors.openai.messages_errors import is_messages_path
+from k3ray.actors.openai.messages_schema import INPUT_TOKENS, MESSAGE, MESSAGE_EVENTS, X_API_KEY
 from k3ray.actors.openai.middleware import OPEN_PATHS
 from k3ray.actors.openai.protocol import LIMIT
+from k3ray.actors.openai.responses_schema import RESPONSE, RESPONSE_EVENTS
 
 STREAMING_PATHS = ("/v1/completions", "/v1/chat/completions")
 _TEXT_OK = {"description": "healthy: `ok`", "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -66,6 +70,9 @@ _JSON_ANSWERS = {  # the 200 bodies (FastAPI knows them only as `dict`)
         "tokens": {"type": "array", "items": {"type": "integer"}},
         "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}},
     "/detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    "/v1/responses": RESPONSE,
+    "/v1/messages": MESSAGE,
+    "/v1/messages/count_tokens": INPUT_TOKENS,
 }
 _EVENT_STREAM = {"schema": {  # one server-sent event (OpenAPI 3.1 has no itemSchema yet)
     "type": "object", "required": ["data"], "properties": {"data": {
@@ -80,6 +87,7 @@ class ServerLimits:
     max_model_len: int
     supports_media: bool
     api_key: bool
+    media_schemes: tuple[str, ...] = ("data",)  # + http(s) with remote media URLs, file with a local folder
 
 
 def openapi_document(app: FastAPI, limits: ServerLimits) -> dict:
@@ -89,7 +97,7 @@ def openapi_document(app: FastAPI, limits: ServerLimits) -> dict:
             for operation in methods.values():
                 operation["responses"].pop("422", None)  # a request that fails validation gets a 400
                 if limits.api_key and path not in OPEN_PATHS:
-                    operation["security"] = [{"bearer": []}]
+                    operation["security"] = [{"bearer": []}, *([{"x-api-key": []}] if is_messages_path(path) else [])]
                 else:  # no key asked for here: never a 401
                     operation["responses"].pop("401", None)
         for path, answer in _TEXT_ANSWERS.items():
@@ -99,24 +107,30 @@ def openapi_document(app: FastAPI, limits: ServerLimits) -> dict:
             operation["responses"]["200"]["content"]["application/json"]["schema"] = answer
         for path in STREAMING_PATHS:
             doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"] = _EVENT_STREAM
+        doc["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"] = RESPONSE_EVENTS
+        doc["paths"]["/v1/messages"]["post"]["responses"]["200"]["content"]["text/event-stream"] = MESSAGE_EVENTS
         components = doc.setdefault("components", {})
         for unused in ("HTTPValidationError", "ValidationError"):
             components.get("schemas", {}).pop(unused, None)
         if limits.api_key:
-            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}, "x-api-key": X_API_KEY}
         app.openapi_schema = fill_in_limits(doc, limits)
     return app.openapi_schema
 
 
-def fill_in_limits(node, limits: ServerLimits):
+def fill_in_limits(node, limits: ServerLimits, media_refs: frozenset[str] | None = None):
     """`node` with each LIMIT mark replaced by the bound it names (media parts dropped from a model
-    that has no vision tower)."""
+    that has no vision tower, inline or as a reference to a marked component)."""
+    if media_refs is None:
+        components = node.get("components", {}).get("schemas", {}) if isinstance(node, dict) else {}
+        media_refs = frozenset(f"#/components/schemas/{name}" for name, schema in components.items()
+                               if isinstance(schema, dict) and schema.get(LIMIT) == "media")
     if isinstance(node, list):
-        return [fill_in_limits(item, limits) for item in node
-                if limits.supports_media or not (isinstance(item, dict) and item.get(LIMIT) == "media")]
+        return [fill_in_limits(item, limits, media_refs) for item in node
+                if limits.supports_media or not _is_media(item, media_refs)]
     if not isinstance(node, dict):
         return node
-    node = {key: fill_in_limits(value, limits) for key, value in node.items()}
+    node = {key: fill_in_limits(value, limits, media_refs) for key, value in node.items()}
     kind = node.pop(LIMIT, None)
     if kind == "served_model":
         _on_branch(node, "string")["enum"] = [limits.model_name]
@@ -124,9 +138,15 @@ def fill_in_limits(node, limits: ServerLimits):
         _on_branch(node, "integer")["maximum"] = limits.vocab_size - 1
     elif kind == "context":
         _on_branch(node, "integer")["maximum"] = limits.max_model_len - 1
+    elif kind == "media_url":
+        node["pattern"] = f"^(?:{'|'.join(limits.media_schemes)}):"
     elif kind == "vocab_keys":
         _on_branch(node, "object")["propertyNames"] = {"pattern": f"^0*(?:{below_pattern(limits.vocab_size)})$"}
     return node
+
+
+def _is_media(item, media_refs: frozenset[str]) -> bool:
+    return isinstance(item, dict) and (item.get(LIMIT) == "media" or item.get("$ref") in media_refs)
 
 
 def _on_branch(node: dict, json_type: str) -> dict:

@@ -24,7 +24,12 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from k3ray.actors.openai.errors import APIError
+from k3ray.actors.openai.messages import chat_request as messages_chat_request
+from k3ray.actors.openai.messages_protocol import CountTokensRequest, MessagesRequest
 from k3ray.actors.openai.protocol import MAX_SEQUENCES_PER_REQUEST, CompletionRequest
+from k3ray.actors.openai.responses_convert import chat_request
+from k3ray.actors.openai.responses_protocol import ResponsesRequest
 from k3ray.actors.openai.tools import NO_PARAMETERS
 from k3ray.engine.structured_output import check_grammar
 from k3ray.sampling_params import StructuredOutputsParams
@@ -93,6 +98,10 @@ def broken_rule(case, server: str) -> str | None:
     route = case.operation.path
     if route == "/tokenize":
         return _continue_rule(body) if body.get("messages") is not None else None
+    if route == "/v1/responses":
+        return _responses_rule(body, server)
+    if route in ("/v1/messages", "/v1/messages/count_tokens"):
+        return _messages_rule(body, server, route == "/v1/messages")
     if route not in ("/v1/completions", "/v1/chat/completions"):
         return None
     rule = _grammar_rule(body)
@@ -154,6 +163,39 @@ def _tools_rule(body: dict) -> str | None:
             check_grammar(StructuredOutputsParams(json=t["function"].get("parameters") or NO_PARAMETERS))
         except ValueError:
             return "each tool's parameters compile as a grammar"
+    return None
+
+
+def _responses_rule(body: dict, server: str) -> str | None:
+    """The chat request's rules (a Responses request is served as one), after the input's own: it must
+    have a message, and each function_call_output answer an earlier function_call."""
+    try:
+        chat = chat_request(ResponsesRequest.model_validate(body)).model_dump(by_alias=True, exclude_none=True)
+    except APIError as e:
+        return f"the input renders as a chat: {e.message}"
+    prompt = {k: chat[k] for k in ("messages", "tools") if k in chat}
+    return _grammar_rule(chat) or _tools_rule(chat) or _context_rule(server, [prompt], chat.get("max_tokens"))
+
+
+def _messages_rule(body: dict, server: str, generates: bool) -> str | None:
+    """The chat request's rules (a Messages request is served as one), after the messages' own (each
+    tool_result answers a tool_use of the assistant message before it); the context as count_tokens,
+    which renders the same prompt, counts it."""
+    try:
+        request = (MessagesRequest if generates else CountTokensRequest).model_validate(body)
+        chat = messages_chat_request(request).model_dump(by_alias=True, exclude_none=True)
+    except APIError as e:
+        return f"the messages render as a chat: {e.message}"
+    rule = _tools_rule(chat)
+    if rule is not None:
+        return rule
+    counted = httpx.post(f"{server}/v1/messages/count_tokens", json=body, headers=AUTH, timeout=60)
+    if counted.status_code == 400 and "maximum context length" in counted.json()["error"]["message"]:
+        return "prompt tokens < max_model_len"
+    if counted.status_code != 200:
+        return None  # the request itself shows what the document missed
+    if generates and counted.json()["input_tokens"] + body["max_tokens"] > MAX_MODEL_LEN:
+        return "prompt tokens + max_tokens <= max_model_len"
     return None
 
 
@@ -236,7 +278,8 @@ def test_an_undocumented_method_is_405_with_allow(http):
         answer = http.request(method, path)
         assert answer.status_code == 405, (method, path, answer.text)
         assert {m.strip().lower() for m in answer.headers["allow"].split(",")} >= set(operations) - {"head"}
-        assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+        fields = {"message", "type"} if path.startswith("/v1/messages") else {"message", "type", "param", "code"}
+        assert set(answer.json()["error"]) == fields, (path, answer.text)
 
 
 # every bound of the document, at and past it: the document's verdict on the body is the server's
@@ -246,6 +289,8 @@ BOUND_BASES = {  # small valid bodies the swept field is set on (a 1-token promp
                              {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True}],
     "/tokenize": [{"prompt": "hi"}],
     "/detokenize": [{"tokens": [104]}],
+    "/v1/responses": [{"input": "hi", "max_output_tokens": 1}],
+    "/v1/messages": [{"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}],
 }
 
 
@@ -292,10 +337,13 @@ def test_every_bound_of_the_document_is_the_servers(http):
                     answer = http.post(route, json=body)
                     checked += 1
                     if validator.is_valid(body):
-                        over_context = route == "/v1/chat/completions" and answer.status_code == 400 and \
-                            answer.json()["error"]["code"] == "context_length_exceeded"
+                        error = answer.json().get("error") if answer.status_code == 400 else None
+                        over_context = route in ("/v1/chat/completions", "/v1/responses", "/v1/messages") and \
+                            error is not None and (error.get("code") == "context_length_exceeded" or
+                                                   "maximum context length" in error["message"])
                         assert answer.status_code == 200 or over_context, (route, body, answer.text[:300])
                     else:
                         assert answer.status_code == 400, (route, body, answer.text[:300])
-                        assert field in (answer.json()["error"]["param"] or ""), (route, body, answer.text[:300])
+                        error = answer.json()["error"]  # Anthropic's names no param: its message does
+                        assert field in (error.get("param") or error["message"]), (route, body, answer.text[:300])
     assert checked > 100
