@@ -102,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--chat", action="store_true",
                        help="send each text prompt as one user message to /v1/chat/completions (as an OpenAI client's "
                             "chat call does), the chat template's tokens counted within --lengths")
+        p.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                       help="with --chat: the chat requests' chat_template_kwargs (default: none), e.g. "
+                            "'{\"thinking\": false}' so K3 answers without thinking first (only content is scored)")
         p.add_argument("--reserve-generation", action="store_true",
                        help="a length counts the generated tokens too (RULER's convention), so 1m fits a 1m context")
         p.add_argument("--executor", choices=EXECUTORS, default="auto",
@@ -152,6 +155,16 @@ def add_checkpoint_arguments(where: argparse._MutuallyExclusiveGroup, p: argpars
     p.add_argument("--api-key", default=client_api_key(), help=CLIENT_API_KEY_HELP)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def _target(args: argparse.Namespace):
     if args.model is not None:
         return _engine_target(args)
@@ -165,7 +178,8 @@ def _target(args: argparse.Namespace):
     from k3ray.evals.openai_target import OpenAITarget
 
     name = args.served_model_name or probe_server(args.endpoint, api_key=args.api_key).model
-    return OpenAITarget(args.endpoint, name, api_key=args.api_key, timeout=args.timeout)
+    return OpenAITarget(args.endpoint, name, api_key=args.api_key, timeout=args.timeout,
+                        chat_template_kwargs=getattr(args, "chat_template_kwargs", None))
 
 
 def _engine_target(args: argparse.Namespace):
@@ -181,7 +195,7 @@ def _engine_target(args: argparse.Namespace):
     llm = LLM(args.model, tokenizer=args.tokenizer, max_num_batched_tokens=args.max_num_batched_tokens,
               cache_memory_bytes=int(args.cache_memory_mb * 1024**2), device=args.device,
               dtype=getattr(torch, args.dtype), enforce_eager=args.enforce_eager, **options)
-    return EngineTarget(llm)
+    return EngineTarget(llm, chat_template_kwargs=getattr(args, "chat_template_kwargs", None))
 
 
 def lm_eval_main(args: argparse.Namespace) -> int:

@@ -29,7 +29,8 @@ from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.evals.target import Prompt
 from k3ray.sampling_params import RequestOutputKind, SamplingParams
 from k3ray.tokenizer.chat import normalize_chat_role
-from k3ray.tokenizer.chat_format import output_reasons
+from k3ray.tokenizer.chat_format import JINJA, output_reasons
+from k3ray.tokenizer.chat_options import options_from_kwargs
 from k3ray.tokenizer.tool_calls import SpecialTokens
 from k3ray.tokenizer.xtml_output import MESSAGE_END, XtmlOutputParser
 from k3ray.vision import ProcessedMedia
@@ -40,7 +41,8 @@ AUDIO_PART_TYPES = ("input_audio", "audio_url")
 
 class EngineTarget:
     def __init__(self, engine: LLM | LLMEngine, tokenizer=None, *, name: str | None = None,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, chat_template_kwargs: dict | None = None) -> None:
+        """chat_template_kwargs: how chat prompts render (K3's thinking and its effort), as the chat route takes them."""
         llm_engine = engine.engine if isinstance(engine, LLM) else engine
         if not isinstance(llm_engine, LLMEngine):
             raise ValueError(f"engine must be an LLM or an LLMEngine, got {type(engine).__name__}")
@@ -52,6 +54,7 @@ class EngineTarget:
                              f"max_model_len), got {max_context}")
         self.engine = llm_engine
         self.tokenizer = tokenizer
+        self.chat_options = options_from_kwargs(chat_template_kwargs, any_kwargs=tokenizer.chat_format == JINJA)
         self.max_context = max_context or llm_engine.max_model_len
         self.name = name or f"engine:{llm_engine.model_config.name}"
         self._lock = threading.Lock()
@@ -87,7 +90,8 @@ class EngineTarget:
                 if isinstance(part, dict) and part.get("type") in AUDIO_PART_TYPES:
                     raise ValueError(f"messages[{i}] has a {part['type']} part: k3ray's models take no audio")
             messages.append(message)
-        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, continue_final_message=False)
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, continue_final_message=False,
+                                         options=self.chat_options)
         if not media_parts(messages):
             return ids, None
         if not self.engine.supports_media:
@@ -118,7 +122,8 @@ class EngineTarget:
         # K3's chat output: its response channel is the answer, as the chat route's `content` (never the thinking)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False, stop=[MESSAGE_END])
         text = self.generate(ids, params, media).outputs[0].text
-        return XtmlOutputParser.parse(text, specials=SpecialTokens.of(self.tokenizer)).content
+        thinking = self.chat_options.thinking_on()
+        return XtmlOutputParser.parse(text, specials=SpecialTokens.of(self.tokenizer), thinking=thinking).content
 
     def generate(self, ids: Sequence[int], params: SamplingParams,
                  media: Sequence[ProcessedMedia] | None = None) -> RequestOutput:

@@ -49,7 +49,9 @@ class OpenAITarget:
         max_context: int | None = None,
         add_special_tokens: bool = True,
         max_retries: int = 5,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        """chat_template_kwargs: sent with chat prompts (and their /tokenize counts), e.g. K3's thinking off."""
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         if not model:
@@ -67,6 +69,7 @@ class OpenAITarget:
         # counts must match what /v1/completions feeds the model, BOS included
         self.add_special_tokens = add_special_tokens
         self.max_retries = max_retries  # of a 429 / 503 answer, as the openai client retries them
+        self.chat_extra = {"chat_template_kwargs": dict(chat_template_kwargs)} if chat_template_kwargs else {}
         self.name = f"{model}@{self.root}"
         self._client: httpx.Client | None = None
         self._no_metrics = False  # /metrics answered 404: stop asking
@@ -140,7 +143,8 @@ class OpenAITarget:
         """The chat prompt's token count from /tokenize (media expanded to their tokens); None when
         the server cannot tokenize chats."""
         try:
-            body = self._post("/tokenize", {"model": self.model, "messages": messages, "add_generation_prompt": True},
+            body = self._post("/tokenize", {"model": self.model, "messages": messages, "add_generation_prompt": True,
+                                            **self.chat_extra},
                               tokenizer_route=True)
         except EndpointError:
             return None
@@ -157,5 +161,5 @@ class OpenAITarget:
         if isinstance(prompt, str):
             body = self._post("/v1/completions", {**common, "prompt": prompt})
             return body["choices"][0]["text"]
-        body = self._post("/v1/chat/completions", {**common, "messages": prompt})
+        body = self._post("/v1/chat/completions", {**common, "messages": prompt, **self.chat_extra})
         return body["choices"][0]["message"]["content"] or ""

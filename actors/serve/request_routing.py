@@ -14,10 +14,11 @@ computed by the ingress router, serve/ingress_routing.py). What each replica hol
 Only some replicas' queues are probed when there are more than PROBE_ALL: those with the deepest
 match (at most MATCH_PROBES, by chance) and PROBE_OTHERS more by chance, as Serve's power-of-two
 router does; the held prefixes are read without copying them. The target is the replica with the
-longest match. It is passed over for the least-loaded replica when it is full or its queue (Serve's
-ongoing requests, probed) exceeds the least-loaded one's by more than max_imbalance. A prompt that
-matches nothing goes to the least-loaded replica, ties to the one holding fewer prefixes (so
-unrelated conversations spread).
+longest match, when that covers at least half the prompt's blocks. It is passed over for the
+least-loaded replica when it is full or its queue (Serve's ongoing requests, probed) exceeds the
+least-loaded one's by more than max_imbalance. A prompt that matches nothing (or only a shared
+preamble) goes to the least-loaded replica, ties to the one holding fewer prefixes (so unrelated
+conversations spread).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ DEFAULT_MAX_IMBALANCE = 4
 DEFAULT_PROVISIONAL_TTL_S = 30.0
 PROVISIONAL_LIMIT = 65536  # remembered hashes per replica, oldest dropped first
 PROBE_ALL = 4  # up to this many replicas, every queue is probed
+# a match must cover this much of the prompt to pin it (SGLang's cache_threshold): prompts that share
+# only a preamble (K3's tool declarations and effort statement) spread by load
+MIN_MATCH_FRACTION = 0.5
 MATCH_PROBES, PROBE_OTHERS = 2, 2  # past it: the deepest matches, then others by chance
 
 
@@ -47,10 +51,13 @@ def match_depth(chain: Sequence[bytes], held: Set[bytes]) -> int:
 
 
 def deepest_matches(chain: Sequence[bytes], held: Mapping[Hashable, Set[bytes]],
-                    replicas: Iterable[Hashable]) -> list[Hashable]:
-    """The replicas holding the longest leading part of `chain` (none if no replica holds any)."""
+                    replicas: Iterable[Hashable], min_fraction: float = 0.0) -> list[Hashable]:
+    """The replicas holding the longest leading part of `chain` (none if no replica holds any, or
+    the longest covers less than min_fraction of the chain)."""
     depth = {r: match_depth(chain, held.get(r, frozenset())) for r in replicas}
     deepest = max(depth.values(), default=0)
+    if deepest < min_fraction * len(chain):
+        return []
     return [r for r in depth if deepest and depth[r] == deepest]
 
 
@@ -67,7 +74,7 @@ def pick_replica(chain: Sequence[bytes], held: Mapping[Hashable, Set[bytes]], qu
     def free(r) -> bool:
         return (queue[r] < capacity[r] or not room) and queue[r] - least <= max_imbalance
 
-    affine = [r for r in deepest_matches(chain, held, queue) if free(r)]
+    affine = [r for r in deepest_matches(chain, held, queue, MIN_MATCH_FRACTION) if free(r)]
     pool = affine or list(queue)
     return min(pool, key=lambda r: (queue[r], len(held.get(r, ())), rng.random()))
 

@@ -78,6 +78,14 @@ def test_the_longest_match_wins():
     assert pick_replica(CHAIN, held, {"r1": 0, "r2": 1, "r3": 0}, CAPACITY, max_imbalance=4) == "r2"
 
 
+def test_a_match_of_only_a_shared_preamble_pins_nothing():
+    """K3's prompts share their system preamble: a match of under half the prompt spreads by load."""
+    held = {"r1": {b"a"}, "r2": set()}
+    assert pick_replica(CHAIN, held, {"r1": 0, "r2": 0}, CAPACITY, max_imbalance=4) == "r2"  # fewer held
+    held = {"r1": {b"b"}, "r2": set()}
+    assert pick_replica(CHAIN, held, {"r1": 1, "r2": 0}, CAPACITY, max_imbalance=4) == "r1"  # half: pinned
+
+
 def test_an_overloaded_or_full_target_yields_to_the_least_loaded():
     held = {"r1": {b"d"}, "r2": set()}
     assert pick_replica(CHAIN, held, {"r1": 4, "r2": 0}, CAPACITY, max_imbalance=4) == "r1"

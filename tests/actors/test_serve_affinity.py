@@ -71,10 +71,13 @@ def test_a_conversations_turns_stay_on_one_replica(two_replicas):
 def test_unrelated_prompts_reach_both_replicas(two_replicas):
     url, tokenizer = two_replicas
     # ties go to the replica holding fewer prefixes, so the one still holding the conversation of the
-    # test before gets a prompt once the other holds more: up to 24 prompts, each on exactly one replica
+    # test before gets a prompt once the other holds more: up to 24 prompts, each on exactly one replica.
+    # Each shares K3's prompt preamble (the thinking-effort statement), which is under half of it: a
+    # match of the preamble alone pins nothing (request_routing.MIN_MATCH_FRACTION)
     served_by = []
     for i in range(24):
-        messages = [{"role": "user", "content": f"Unrelated question {i}: " + "why is the sky blue? " * (1 + i % 3)}]
+        question = f"Unrelated question {i}: " + "why is the sky blue? " * (16 + i % 3)
+        messages = [{"role": "user", "content": question}]
         chain = block_chain(prompt_ids(tokenizer, {"messages": messages}), BS)
         chat(url, messages)
         served_by.extend(holders(chain[-1]))

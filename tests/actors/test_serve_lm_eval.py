@@ -29,9 +29,9 @@ MAX_GEN_TOKS = 8
 
 
 @pytest.fixture(scope="module")
-def server(serve_app, tiny_checkpoint):
+def server(serve_app, k2_tiny_checkpoint):  # K2's format ships a Jinja template for lm-eval's tokenizer
     return serve_app(
-        {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+        {"model": {"model": k2_tiny_checkpoint}, "server": {"served_model_name": MODEL},
          "engine": {"max_model_len": 1024, "cache_memory_mb": 16}}
     )
 
@@ -97,8 +97,8 @@ def results(server, tasks_dir):
 
 
 @pytest.fixture(scope="module")
-def k3(tiny_checkpoint):
-    return K3.load(tiny_checkpoint)
+def k3(k2_tiny_checkpoint):
+    return K3.load(k2_tiny_checkpoint)
 
 
 def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -142,11 +142,11 @@ def responses(results: dict, task: str) -> list:
     return [sample["resps"] for sample in sorted(results["samples"][task], key=lambda sample: sample["doc_id"])]
 
 
-def test_a_hugging_face_tokenizer_on_the_client_gives_the_same_scores(server, tasks_dir, tiny_checkpoint, results):
+def test_a_hugging_face_tokenizer_on_the_client_gives_the_same_scores(server, tasks_dir, k2_tiny_checkpoint, results):
     """`tokenizer_backend=huggingface`: AutoTokenizer loads the checkpoint's tokenizer.json and tokenizes
     the requests on the client, as vLLM's clients do; every request and score is the remote one's."""
     hf = evaluate(server, tasks_dir, "local-completions", "/v1/completions",
-                  f"tokenizer_backend=huggingface,tokenizer={tiny_checkpoint},{COMPLETIONS}", ["k3ray_mc", "k3ray_gen"])
+                  f"tokenizer_backend=huggingface,tokenizer={k2_tiny_checkpoint},{COMPLETIONS}", ["k3ray_mc", "k3ray_gen"])
     for ours, remote in zip(responses(hf, "k3ray_mc"), responses(results, "k3ray_mc"), strict=True):
         assert [bool(r[0][1]) for r in ours] == [bool(r[0][1]) for r in remote]  # the same requests, batched
         assert [float(r[0][0]) for r in ours] == pytest.approx([float(r[0][0]) for r in remote], abs=LOGPROB_ATOL)
@@ -155,13 +155,13 @@ def test_a_hugging_face_tokenizer_on_the_client_gives_the_same_scores(server, ta
         assert hf["results"][task][metric] == results["results"][task][metric]
 
 
-def test_chat_completions_equal_completions_of_the_hugging_face_chat_template(server, tasks_dir, tiny_checkpoint):
+def test_chat_completions_equal_completions_of_the_hugging_face_chat_template(server, tasks_dir, k2_tiny_checkpoint):
     """`local-chat-completions` (the server renders the chat) and `local-completions` with the prompt
     rendered on the client by the tokenizer's chat template give the same greedy answers."""
     chat = evaluate(server, tasks_dir, "local-chat-completions", "/v1/chat/completions", "num_concurrent=2",
                     ["k3ray_gen"], apply_chat_template=True)
     client_rendered = evaluate(server, tasks_dir, "local-completions", "/v1/completions",
-                               f"tokenizer_backend=huggingface,tokenizer={tiny_checkpoint},{COMPLETIONS}",
+                               f"tokenizer_backend=huggingface,tokenizer={k2_tiny_checkpoint},{COMPLETIONS}",
                                ["k3ray_gen"], apply_chat_template=True)
     assert len(responses(chat, "k3ray_gen")) == len(GEN_DOCS)
     assert responses(chat, "k3ray_gen") == responses(client_rendered, "k3ray_gen")

@@ -28,9 +28,9 @@ MAX_TOKENS_PER_OUTPUT = 64
 
 
 @pytest.fixture(scope="module")
-def args(tiny_checkpoint):
+def args(k2_tiny_checkpoint):
     engine = {"max_model_len": STREAM_TOKENS + 256, "cache_memory_mb": 64, "threads": 1, "max_num_seqs": 4}
-    return ServeArgs.model_validate({"model": {"model": tiny_checkpoint}, "engine": engine}).resolved()
+    return ServeArgs.model_validate({"model": {"model": k2_tiny_checkpoint}, "engine": engine}).resolved()
 
 
 class Hop:

@@ -69,22 +69,22 @@ def text_part(text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(serve_app, tiny_checkpoint):
+def server(serve_app, k2_tiny_checkpoint):
     return serve_app(
-        {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+        {"model": {"model": k2_tiny_checkpoint}, "server": {"served_model_name": MODEL},
          "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 8},
          "media": {"max_request_pixels": MAX_REQUEST_PIXELS}}
     )
 
 
 @pytest.fixture(scope="module")
-def pipeline_url(server, tiny_checkpoint):
+def pipeline_url(server, k2_tiny_checkpoint):
     """A second app on the same Serve instance: a 2-stage pipeline whose replica runs the tower as
     its VisionEncoder actor (in the replica's placement group)."""
     from k3ray.actors.serve import launch as serve_launch
 
     url = serve_launch.deploy(
-        {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": MODEL},
+        {"model": {"model": k2_tiny_checkpoint}, "server": {"served_model_name": MODEL},
          "engine": {"max_model_len": MAX_MODEL_LEN, "cache_memory_mb": 16, "max_num_seqs": 4},
          "parallel": {"pipeline": 2, "replica_cpus": 0.5, "stage_cpus": 0.5, "shard_cpus": 0.5, "router_cpus": 0.25}},
         port=int(server.rsplit(":", 1)[1]), name="k3ray-pipeline", route_prefix="/pipeline", proxy_location="HeadOnly",
@@ -107,8 +107,8 @@ def http(server):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_checkpoint):
-    return LLM(tiny_checkpoint, num_blocks=256, block_size=16)
+def llm(k2_tiny_checkpoint):
+    return LLM(k2_tiny_checkpoint, num_blocks=256, block_size=16)
 
 
 def reference(llm: LLM, messages: list[dict]):
@@ -224,7 +224,7 @@ def in_process_app(checkpoint: str, **engine_kw):
     return TestClient(build_openai_app(OpenAIServing(AsyncEngine(engine), tok, MODEL)))
 
 
-def test_remote_media_urls_when_the_engine_allows_them(tiny_checkpoint):
+def test_remote_media_urls_when_the_engine_allows_them(k2_tiny_checkpoint):
     """A loopback HTTP server holds the image: the answer equals the same image sent inline."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -250,10 +250,10 @@ def test_remote_media_urls_when_the_engine_allows_them(tiny_checkpoint):
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     root = f"http://127.0.0.1:{httpd.server_address[1]}"
-    vision = load_vision(tiny_checkpoint)
+    vision = load_vision(k2_tiny_checkpoint)
     media = MediaConfig.for_vision(vision.config, max_input_bytes=len(image) + 10)
     try:
-        with in_process_app(tiny_checkpoint, vision_encoder=local_vision_encoder(vision),
+        with in_process_app(k2_tiny_checkpoint, vision_encoder=local_vision_encoder(vision),
                             multimodal=MultiModalConfig(media, allow_remote_urls=True)) as c:
             def ask(url):
                 body = {"messages": user(image_part(url), text_part("?")), "max_tokens": 6, "temperature": 0}
@@ -270,9 +270,9 @@ def test_remote_media_urls_when_the_engine_allows_them(tiny_checkpoint):
         httpd.server_close()
 
 
-def test_a_model_without_a_vision_tower_refuses_media(tiny_checkpoint):
+def test_a_model_without_a_vision_tower_refuses_media(k2_tiny_checkpoint):
     """In process (no Ray): the OpenAI app over an engine that has no vision encoder."""
-    with in_process_app(tiny_checkpoint) as c:
+    with in_process_app(k2_tiny_checkpoint) as c:
         for part in (image_part(data_url(png(picture(0)))), {"type": "video_url", "video_url": {"url": "data:,"}}):
             body = error_of(c.post("/v1/chat/completions", json={"messages": user(text_part("look"), part)}))
             assert body["param"] == "messages[0].content[1]" and body["code"] == "unsupported_content"

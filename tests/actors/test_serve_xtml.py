@@ -223,3 +223,32 @@ def test_bad_requests_are_400_naming_the_field(client, fields, param, says):
     kw = {"model": MODEL, "messages": USER, "tools": [tool("noop")], "max_tokens": 4, **fields}
     got_param, message = bad_request(lambda: client.chat.completions.create(**kw))
     assert got_param == param and says in message, message
+
+
+def test_eval_chat_scores_content_as_the_in_process_engine(server, tiny_checkpoint, tmp_path):
+    """`k3ray eval --chat --chat-template-kwargs '{"thinking": false}'` on K3's format: each prompt is
+    the cell's length by the server's count of K3's prompt, and the endpoint's answers (its content)
+    equal the in-process engine's reading of the same ids' output."""
+    from k3ray.actors.serve.config import ServeArgs
+    from k3ray.actors.serve.engine import build_engine
+    from k3ray.evals.engine_target import EngineTarget
+    from k3ray.evals.openai_target import OpenAITarget
+    from k3ray.evals.runner import RunConfig, run_eval
+
+    off = {"thinking": False}
+    config = RunConfig(tasks=("niah",), lengths=(768,), depths=(0.0, 100.0), chat=True, concurrency=2,
+                       executor="threads")
+    args = {"model": {"model": tiny_checkpoint}, "engine": {"max_model_len": 2048, "cache_memory_mb": 32}}
+    engine, _ = build_engine(ServeArgs.model_validate(args).resolved())
+    targets = {"served": OpenAITarget(server, MODEL, chat_template_kwargs=off),
+               "local": EngineTarget(engine, chat_template_kwargs=off)}
+    records = {}
+    for name, target in targets.items():
+        assert run_eval(config, target, tmp_path / name, progress=False)["errors"] == 0
+        lines = (tmp_path / name / "results.jsonl").read_text().splitlines()
+        records[name] = sorted((r["prompt_sha256"], r["prompt_tokens"], r["prediction"])
+                               for r in map(json.loads, lines))
+    assert {tokens for _, tokens, _ in records["served"]} == {768}
+    assert any(prediction for *_, prediction in records["served"])  # thinking off: the answer is content
+    assert not any(m in p for *_, p in records["served"] for m in MARKUP)
+    assert records["served"] == records["local"]

@@ -19,8 +19,8 @@ PROMPTS = ["Hello, world", "The cat sat on the", "1, 2, 3,", "Q: why?\nA:", "<|i
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_checkpoint):
-    return LLM(tiny_checkpoint, max_model_len=1024, cache_memory_bytes=16 * 1024**2)
+def llm(k2_tiny_checkpoint):
+    return LLM(k2_tiny_checkpoint, max_model_len=1024, cache_memory_bytes=16 * 1024**2)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,8 @@ def target(llm):
 
 
 @pytest.fixture(scope="module")
-def k3(tiny_checkpoint):
-    return K3.load(tiny_checkpoint)
+def k3(k2_tiny_checkpoint):
+    return K3.load(k2_tiny_checkpoint)
 
 
 def greedy_text(k3, ids, max_tokens):
@@ -116,14 +116,14 @@ def test_a_niah_grid_runs_through_the_runner(target, tmp_path):
         assert r["score"] in (0.0, 1.0)
 
 
-def test_the_eval_command_runs_its_engine_in_the_asked_dtype(tiny_checkpoint, tmp_path):
+def test_the_eval_command_runs_its_engine_in_the_asked_dtype(k2_tiny_checkpoint, tmp_path):
     """`k3ray eval --model DIR --dtype bfloat16`: the engine's weights and caches are bf16."""
     import torch
 
     from k3ray.cli import build_parser
     from k3ray.evals.cli import _engine_target
 
-    argv = ["eval", "niah", "--model", tiny_checkpoint, "--out", str(tmp_path), "--device", "cpu",
+    argv = ["eval", "niah", "--model", k2_tiny_checkpoint, "--out", str(tmp_path), "--device", "cpu",
             "--dtype", "bfloat16", "--threads", str(torch.get_num_threads()), "--max-model-len", "256",
             "--cache-memory-mb", "16"]
     bf16 = _engine_target(build_parser(argv).parse_args(argv))

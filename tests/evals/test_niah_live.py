@@ -34,8 +34,8 @@ def serve_args(checkpoint: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(serve_app, tiny_checkpoint):
-    return serve_app(serve_args(tiny_checkpoint))
+def server(serve_app, k2_tiny_checkpoint):
+    return serve_app(serve_args(k2_tiny_checkpoint))
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +86,12 @@ def test_progress_against_the_endpoint_follows_the_servers_token_counters(server
 
 
 @pytest.fixture(scope="module")
-def local_target(tiny_checkpoint) -> EngineTarget:
+def local_target(k2_tiny_checkpoint) -> EngineTarget:
     """The replica's engine, built in this process with the served settings."""
     from k3ray.actors.serve.config import ServeArgs
     from k3ray.actors.serve.engine import build_engine
 
-    engine, _ = build_engine(ServeArgs.model_validate(serve_args(tiny_checkpoint)).resolved())
+    engine, _ = build_engine(ServeArgs.model_validate(serve_args(k2_tiny_checkpoint)).resolved())
     return EngineTarget(engine)
 
 
@@ -124,13 +124,13 @@ def test_chat_items_through_the_endpoint_are_the_cell_s_length_and_answer_as_the
 
 @pytest.mark.slow
 @pytest.mark.timeout(4 * 3600)
-def test_a_million_token_niah_cell_on_the_tiny_model(tiny_checkpoint, tmp_path, request):
+def test_a_million_token_niah_cell_on_the_tiny_model(k2_tiny_checkpoint, tmp_path, request):
     if "slow" not in request.config.getoption("markexpr", ""):
         pytest.skip("an hour of CPU: runs only when selected with -m slow")  # nothing in conftest skips `slow`
     from k3ray.engine import LLM
 
     length = 1_048_576
-    llm = LLM(tiny_checkpoint, max_model_len=length, cache_memory_bytes=1024**3, max_num_seqs=1,
+    llm = LLM(k2_tiny_checkpoint, max_model_len=length, cache_memory_bytes=1024**3, max_num_seqs=1,
               max_num_batched_tokens=8192)
     target = EngineTarget(llm)
     config = RunConfig(tasks=("niah",), lengths=(length,), depths=(50.0,), reserve_generation=True,
@@ -145,9 +145,9 @@ def test_a_million_token_niah_cell_on_the_tiny_model(tiny_checkpoint, tmp_path, 
     assert OracleTarget().read(item.prompt) == ", ".join(record["answers"])
 
 
-def test_eval_cli_with_a_checkpoint_gives_the_endpoints_records(endpoint_run, tiny_checkpoint, tmp_path, capsys):
+def test_eval_cli_with_a_checkpoint_gives_the_endpoints_records(endpoint_run, k2_tiny_checkpoint, tmp_path, capsys):
     _, out = endpoint_run
-    rc = k3ray_main(["eval", "niah", "--model", tiny_checkpoint, "--lengths", "512", "--depths", "0,100",
+    rc = k3ray_main(["eval", "niah", "--model", k2_tiny_checkpoint, "--lengths", "512", "--depths", "0,100",
                      "--max-model-len", "2048", "--cache-memory-mb", "32", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0, capsys.readouterr()
     served, local = records(out), records(tmp_path)

@@ -32,9 +32,9 @@ def request_set(stop: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def args(tiny_checkpoint):
+def args(k2_tiny_checkpoint):
     engine = {"max_model_len": 256, "cache_memory_mb": 8, "threads": 1}
-    return ServeArgs.model_validate({"model": {"model": tiny_checkpoint}, "engine": engine}).resolved()
+    return ServeArgs.model_validate({"model": {"model": k2_tiny_checkpoint}, "engine": engine}).resolved()
 
 
 @pytest.fixture(scope="module")
@@ -247,13 +247,13 @@ def test_shutdown_stops_the_process(args):
 
 
 
-def test_handoff_parts_sent_ahead_are_joined_in_the_engine_process(client, args, tiny_checkpoint):
+def test_handoff_parts_sent_ahead_are_joined_in_the_engine_process(client, args, k2_tiny_checkpoint):
     """Parts go to the engine process as they come and wait there for their import; dropped ones are
     gone (the import then lacks rows: a HandoffMismatchError, which makes the sender prefill again)."""
     from k3ray.engine.handoff import HandoffMismatchError
 
     engine = {"max_model_len": 256, "cache_memory_mb": 8, "threads": 1, "max_num_batched_tokens": 32}
-    prefill = local_engine(ServeArgs.model_validate({"model": {"model": tiny_checkpoint}, "engine": engine}).resolved())
+    prefill = local_engine(ServeArgs.model_validate({"model": {"model": k2_tiny_checkpoint}, "engine": engine}).resolved())
     prompt = [(i * 37) % 200 + 20 for i in range(150)]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prefill.add_request("p", prompt, replace(greedy, output_kind=RequestOutputKind.DELTA), export_from=0,
