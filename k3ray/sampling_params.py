@@ -123,6 +123,15 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.xtml must be an XtmlMessage, with json or json_object")
 
     @property
+    def free_text(self) -> bool:
+        """Whether the output starts with K3's free reasoning (newlines and all) before its constrained part;
+        the JSON a grammar writes never holds a raw control character either way."""
+        thinking = self.xtml.thinking if self.xtml is not None else False
+        if self.tool_calls is not None and self.tool_calls.style == "xtml":
+            thinking = self.tool_calls.thinking
+        return thinking
+
+    @property
     def field(self) -> str:
         """The field an error about this grammar names."""
         return "structured_outputs.tool_calls" if self.tool_calls is not None else "structured_outputs.json"

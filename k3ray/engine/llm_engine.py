@@ -284,7 +284,9 @@ class LLMEngine:
                 continue
             self._structured_outputs = self.grammars.outputs
             for seq in request.seqs:
-                seq.grammar = self._structured_outputs.new_state(job.compiled, request.params.stop_token_ids)
+                seq.grammar = self._structured_outputs.new_state(
+                    job.compiled, request.params.stop_token_ids,
+                    strict=not request.params.structured_outputs.free_text)
             self._schedule(request)
 
     def _attach_media(self, ids: list[int], media: Seq[ProcessedMedia]) -> tuple[list[int], PromptMedia]:

@@ -151,8 +151,10 @@ def encoded_vocab(tokenizer, vocab_size: int) -> list[bytes]:
 class GrammarState:
     """One sequence's matcher: which tokens may come next, advanced by each accepted token."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, strict: bool = True) -> None:
+        """strict: no token holding a control byte, whatever the grammar allows (off for K3's free reasoning)."""
         self.matcher = matcher
+        self.strict = strict
 
     def accept(self, token: int) -> None:
         accepted = self.matcher.accept_token(token)
@@ -188,15 +190,17 @@ class StructuredOutputs:
         """A grammar the worker compiled (CompiledGrammar.serialize_json) over this vocabulary."""
         return xgr.CompiledGrammar.deserialize_json(text, self.info)
 
-    def new_state(self, compiled: xgr.CompiledGrammar, extra_stop_token_ids: Sequence[int] = ()) -> GrammarState:
-        """A fresh matcher; the grammar may end with the engine's stop tokens or the request's."""
+    def new_state(self, compiled: xgr.CompiledGrammar, extra_stop_token_ids: Sequence[int] = (),
+                  strict: bool = True) -> GrammarState:
+        """A fresh matcher; the grammar may end with the engine's stop tokens or the request's.
+        strict=False lets control bytes through where the grammar does (StructuredOutputsParams.free_text)."""
         stops = sorted(set(self.stop_token_ids) | set(extra_stop_token_ids))
-        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=stops))
+        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=stops), strict)
 
     def mask(self, logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
-        """logits [M, V] fp32, in place: each constrained row's forbidden tokens to -inf, and every
-        token holding a control byte (a row that would have no token left keeps its grammar's mask,
-        so no step fails on it; build_grammar's grammars never get there)."""
+        """logits [M, V] fp32, in place: each constrained row's forbidden tokens to -inf, and in a
+        strict row every token holding a control byte (a row that would have no token left keeps its
+        grammar's mask, so no step fails on it; build_grammar's grammars never get there)."""
         rows = [i for i, s in enumerate(states) if s is not None]
         if not rows:
             return
@@ -204,7 +208,8 @@ class StructuredOutputs:
         for i in rows:
             states[i].matcher.fill_next_token_bitmask(bitmask, i)
         grammar = bitmask[rows]  # [R, W]
-        strict = grammar & self.strict_tokens
+        strict_rows = torch.tensor([states[i].strict for i in rows]).unsqueeze(1)  # [R, 1]
+        strict = torch.where(strict_rows, grammar & self.strict_tokens, grammar)
         stuck = (strict == 0).all(dim=1, keepdim=True)  # [R, 1]
         bitmask[rows] = torch.where(stuck, grammar, strict)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)

@@ -116,3 +116,31 @@ def test_structured_outputs_params_need_exactly_one_kind():
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(json=SCHEMA, json_object=True)
+
+
+def test_k3s_free_reasoning_may_hold_newlines_but_its_json_never_a_control_character():
+    """A grammar that starts in K3's think channel (StructuredOutputsParams.free_text) lets the reasoning
+    write newlines; the JSON answer after it is still strict (its grammar allows no raw control byte)."""
+    from k3ray.sampling_params import XtmlMessage
+    from k3ray.tokenizer.xtml_output import xtml_marker_ids
+
+    tok = ByteTokenizer(512, "kimi_k3_xtml")
+    outputs = StructuredOutputs(encoded_vocab(tok, 512), tok.stop_token_ids)
+    for thinking in (True, False):
+        params = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}},
+                                         xtml=XtmlMessage(xtml_marker_ids(tok), thinking))
+        assert params.free_text == thinking
+        state = outputs.new_state(outputs.compile(params), strict=not params.free_text)
+        logits = torch.zeros(1, 512)
+        outputs.mask(logits, [state])
+        assert (logits[0, ord("\n")] == 0) == thinking  # the reasoning may start a new line
+        prefix = 'a\nb<|close|>think<|sep|><|open|>response<|sep|>' if thinking else ""
+        for i in tok.encode(prefix + '{"a": "x', allow_special=True):
+            state.accept(i)
+        logits = torch.zeros(1, 512)
+        outputs.mask(logits, [state])
+        assert logits[0, ord("\n")] == float("-inf") and logits[0, ord("y")] == 0  # inside the JSON string
+    strict = outputs.new_state(outputs.compile(StructuredOutputsParams(json_object=True)))
+    logits = torch.zeros(1, 512)
+    outputs.mask(logits, [strict])
+    assert logits[0, ord("\n")] == float("-inf")
