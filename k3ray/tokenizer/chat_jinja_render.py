@@ -9,6 +9,10 @@ import functools
 import json
 from collections.abc import Sequence
 
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from k3ray.tokenizer.chat_options import ChatOptions
 
 
@@ -18,8 +22,6 @@ class TemplateError(ValueError):
 
 def render_jinja(tokenizer, messages: Sequence[dict], add_generation_prompt: bool, continue_final_message: bool,
                  tools: Sequence[dict] | None, options: ChatOptions) -> str:
-    import jinja2
-
     if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
         raise ValueError("continue_final_message=True needs a final assistant message")
     names = {f"{kind}_token": tokenizer.convert_ids_to_tokens([getattr(tokenizer, f"{kind}_token_id")])[0]
@@ -50,10 +52,6 @@ def _cut_after_final(text: str, final: dict) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _compiled(template: str):
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message: str):
         raise TemplateError(message)
 
