@@ -74,6 +74,14 @@ def test_a_call_cut_by_max_tokens_is_content_unless_streamed():
     assert kept == f'Sure.{B}functions.get_time:1{A}{{"tz": "UT'  # as written
 
 
+def test_a_call_max_tokens_cut_is_dropped_when_the_output_is_known_truncated():
+    """finish_reason "length": the cut call (or header) is neither a call nor content."""
+    for cut in (f"Sure.{S}{WEATHER}{B}functions.get_time:1{A}{{\"tz\": \"UT", f"Sure.{S}{WEATHER}{B}functions.get_ti"):
+        parser = ToolCallParser(SPECIALS)
+        content = parser.feed(cut).content + parser.finish(streamed=False, truncated=True).content
+        assert (content, parser.calls) == ("Sure.", [call(0, "get_weather", '{"city": "Paris"}')])
+
+
 @pytest.mark.parametrize("size", [1, 4, 100])
 def test_a_call_cut_inside_its_header_is_content_streamed_or_not(size):
     cut = f"{S}{B}functions.get_wea"
