@@ -27,8 +27,8 @@ APP_PP = "k3ray-pd-pipelines"
 
 
 @pytest.fixture(scope="module")
-def pd_app(serve_app, tiny_checkpoint):
-    args = {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": "k3-tiny"}, "engine": ENGINE,
+def pd_app(serve_app, k2_tiny_checkpoint):
+    args = {"model": {"model": k2_tiny_checkpoint}, "server": {"served_model_name": "k3-tiny"}, "engine": ENGINE,
             "disaggregation": {"prefill_replicas": 1}}
     url = serve_app(args, name=APP)
     client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
@@ -50,8 +50,8 @@ def wait_serving(client: OpenAI, timeout_s: float = 300) -> None:
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_checkpoint):
-    return LLM(tiny_checkpoint, max_num_seqs=4, block_size=BS)
+def colocated(k2_tiny_checkpoint):
+    return LLM(k2_tiny_checkpoint, max_num_seqs=4, block_size=BS)
 
 
 def handoff_stats() -> dict:
@@ -102,7 +102,7 @@ def test_streaming_equals_the_whole_response(pd_app, colocated):
     assert text == reference(colocated, prompt, max_tokens=16)
 
 
-def test_structured_output_through_chat(pd_app, colocated, tiny_checkpoint):
+def test_structured_output_through_chat(pd_app, colocated, k2_tiny_checkpoint):
     schema = {"type": "object", "properties": {"code": {"type": "integer"}}, "required": ["code"],
               "additionalProperties": False}
     messages = [{"role": "user", "content": "Give the code as JSON."}]
@@ -110,7 +110,7 @@ def test_structured_output_through_chat(pd_app, colocated, tiny_checkpoint):
         model="k3-tiny", messages=messages, max_tokens=24, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "code", "schema": schema}})
     text = out.choices[0].message.content
-    prompt = prompt_ids(load_tokenizer(tiny_checkpoint), {"messages": messages})
+    prompt = prompt_ids(load_tokenizer(k2_tiny_checkpoint), {"messages": messages})
     want = reference(colocated, prompt, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema))
     assert text == want
     if out.choices[0].finish_reason == "stop":
@@ -125,13 +125,13 @@ def test_several_samples_run_on_the_decode_replica(pd_app):
 
 
 @pytest.fixture(scope="module")
-def pd_pipelines(serve_app, tiny_checkpoint, pd_app):
+def pd_pipelines(serve_app, k2_tiny_checkpoint, pd_app):
     """Both pools as pipeline 2 x expert-parallel 2 replicas (each stage exports and imports its own
     layers' part of the handoff); the single-process app goes first, to leave its CPUs to these actors."""
     serve.delete(APP)
     parallel = {"pipeline": 2, "expert_parallel": 2, "replica_cpus": 0.25, "stage_cpus": 0.25, "shard_cpus": 0.25,
                 "router_cpus": 0.125, "vision_cpus": 0.125, "handoff_transport": "nixl"}
-    args = {"model": {"model": tiny_checkpoint}, "server": {"served_model_name": "k3-tiny"}, "engine": ENGINE,
+    args = {"model": {"model": k2_tiny_checkpoint}, "server": {"served_model_name": "k3-tiny"}, "engine": ENGINE,
             "parallel": parallel, "disaggregation": {"prefill_replicas": 1}}
     url = serve_app(args, name=APP_PP, port=pd_app.base_url.port)  # Serve's HTTP port is set once
     client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
