@@ -28,22 +28,17 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ToolCallsFormat:
-    """A tool-call section the output must be, in the checkpoint's format: one call (several with
-    `parallel`) of the named functions, each one's arguments strict JSON matching that function's
-    parameters schema. `functions` holds (name, parameters schema as a dict or its JSON text, kept as
-    compact JSON text). `style` "kimi_k2": `markers` are the ids of K2's five marker tokens
-    (`k3ray.tokenizer.tool_calls.marker_ids`), each call `<call begin>functions.NAME:INDEX<argument
-    begin>{arguments}<call end>` inside the section markers. `style` "xtml": `markers` are K3's
-    `<|open|>`, `<|close|>`, `<|sep|>` ids, and the output is K3's assistant message from where the
-    prompt left it (`thinking`: inside the think channel, free reasoning first; else inside the
-    response channel), an empty response, then the tools channel with each call's arguments as one
-    `json` block (k3ray.tokenizer.xtml_output reads both argument forms)."""
+    """Tool calls the output must be: one call (several with `parallel`) of the named functions,
+    each one's arguments strict JSON matching that function's parameters schema. `functions` holds
+    (name, parameters schema as a dict or its JSON text, kept as compact JSON text). In K2's format
+    `markers` are the ids of its five marker tokens (`k3ray.tokenizer.tool_calls.marker_ids`), each
+    call `<call begin>functions.NAME:INDEX<argument begin>{arguments}<call end>` inside the section
+    markers; in K3's, `markers` is empty and StructuredOutputsParams.xtml places the calls (its tools
+    channel, each call's arguments one `json` block; k3ray.tokenizer.xtml_output reads both forms)."""
 
     functions: tuple[tuple[str, str | dict], ...]
-    markers: tuple[int, ...]  # K2: section begin, call begin, argument begin, call end, section end; XTML: open, close, sep
+    markers: tuple[int, ...]  # K2: section begin, call begin, argument begin, call end, section end; K3: ()
     parallel: bool = True
-    style: str = "kimi_k2"
-    thinking: bool = False
 
     def __post_init__(self) -> None:
         functions = tuple(self.functions) if isinstance(self.functions, (list, tuple)) else None
@@ -66,26 +61,21 @@ class ToolCallsFormat:
         if len({name for name, _ in checked}) != len(checked):
             raise ValueError("structured_outputs.tool_calls: two functions share one name")
         object.__setattr__(self, "functions", tuple(checked))
-        if self.style not in TOOL_CALL_STYLES:
-            raise ValueError(f"structured_outputs.tool_calls.style must be one of {TOOL_CALL_STYLES}, got {self.style!r}")
-        count = TOOL_CALL_STYLES[self.style]
         markers = tuple(self.markers)
-        if len(markers) != count or len(set(markers)) != count:
-            raise ValueError(f"structured_outputs.tool_calls.markers must be {count} distinct token ids for style "
-                             f"{self.style!r}, got {markers!r}")
+        if markers and (len(markers) != 5 or len(set(markers)) != 5):
+            raise ValueError(f"structured_outputs.tool_calls.markers must be 5 distinct token ids (K2's) or none "
+                             f"(K3's, placed by structured_outputs.xtml), got {markers!r}")
         for t in markers:
             _check_int("structured_outputs.tool_calls.markers entry", t, low=0)
         object.__setattr__(self, "markers", markers)
 
 
-TOOL_CALL_STYLES = {"kimi_k2": 5, "xtml": 3}  # style -> how many marker ids it names
-
-
 @dataclass(frozen=True)
 class XtmlMessage:
-    """Where K3's output holds a JSON answer: its response channel. `markers` are the `<|open|>`,
-    `<|close|>`, `<|sep|>` ids; `thinking`: the prompt opened the think channel (free reasoning
-    first), else the response channel."""
+    """The rest of K3's assistant message from where the prompt left it: a JSON answer in its response
+    channel, or tool calls in its tools channel after an empty response. `markers` are the
+    `<|open|>`, `<|close|>`, `<|sep|>` ids; `thinking`: the prompt opened the think channel (free
+    reasoning first), else the response channel."""
 
     markers: tuple[int, int, int]
     thinking: bool = True
@@ -108,7 +98,7 @@ class StructuredOutputsParams:
     json: str | dict | None = None
     json_object: bool = False
     tool_calls: ToolCallsFormat | None = None
-    xtml: XtmlMessage | None = None  # json / json_object inside K3's response channel
+    xtml: XtmlMessage | None = None  # the answer or the calls inside K3's assistant message
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
@@ -119,17 +109,16 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.tool_calls must be a ToolCallsFormat, got {self.tool_calls!r}")
         if (self.json is not None) + bool(self.json_object) + (self.tool_calls is not None) != 1:
             raise ValueError("structured_outputs needs exactly one of json (a schema), json_object=True or tool_calls")
-        if self.xtml is not None and (self.tool_calls is not None or not isinstance(self.xtml, XtmlMessage)):
-            raise ValueError("structured_outputs.xtml must be an XtmlMessage, with json or json_object")
+        if self.xtml is not None and not isinstance(self.xtml, XtmlMessage):
+            raise ValueError(f"structured_outputs.xtml must be an XtmlMessage, got {self.xtml!r}")
+        if self.tool_calls is not None and self.tool_calls.markers and self.xtml is not None:
+            raise ValueError("structured_outputs.tool_calls with K2's markers cannot go inside K3's message (xtml)")
 
     @property
     def free_text(self) -> bool:
         """Whether the output starts with K3's free reasoning (newlines and all) before its constrained part;
         the JSON a grammar writes never holds a raw control character either way."""
-        thinking = self.xtml.thinking if self.xtml is not None else False
-        if self.tool_calls is not None and self.tool_calls.style == "xtml":
-            thinking = self.tool_calls.thinking
-        return thinking
+        return self.xtml is not None and self.xtml.thinking
 
     @property
     def field(self) -> str:

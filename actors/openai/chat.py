@@ -69,7 +69,7 @@ async def prepare_chat(serving: OpenAIServing, req: ChatCompletionRequest, id_pr
                           f"{req.max_tokens}", "max_tokens", "context_length_exceeded")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     options = chat_options(req, serving.tokenizer)
-    tools = tool_plan(req, serving.tokenizer, serving.info.max_schema_bytes, options.thinking_on())
+    tools = tool_plan(req, serving.tokenizer, serving.info.max_schema_bytes)
     prompt = await serving.chat_input(req.messages, req.add_generation_prompt, req.continue_final_message,
                                       tools.tools if tools is not None else None, options)
     serving.check_context([prompt], max_tokens,

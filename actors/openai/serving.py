@@ -219,7 +219,7 @@ class OpenAIServing:
                 stop = _with_stop(stop, extra)
         if options is not None and output_reasons(self.tokenizer):
             stop = _with_stop(stop, MESSAGE_END)
-            if structured_outputs is not None and structured_outputs.tool_calls is None:  # the answer's channel
+            if structured_outputs is not None:  # the answer or the calls inside K3's message
                 structured_outputs = replace(structured_outputs, xtml=XtmlMessage(xtml_marker_ids(self.tokenizer),
                                                                                   options.thinking_on()))
         try:

@@ -24,7 +24,6 @@ from k3ray.strict_json import renamed
 from k3ray.tokenizer import special as sp
 from k3ray.tokenizer.chat_format import output_reasons
 from k3ray.tokenizer.tool_calls import marker_ids
-from k3ray.tokenizer.xtml_output import xtml_marker_ids
 
 TOOLS_OPEN = sp.OPEN + "tools" + sp.SEP  # tool_choice none stops K3's output where its tools channel would open
 NO_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes none
@@ -43,10 +42,9 @@ class ToolPlan:
     stop: tuple[str, ...] = ()  # none, K3: the tools channel's open
 
 
-def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | None,
-              thinking: bool = True) -> ToolPlan | None:
-    """The plan of req (None without tools and tool_choice); an APIError (400) naming the field.
-    thinking: whether the prompt opens K3's think channel (the grammar starts there)."""
+def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | None) -> ToolPlan | None:
+    """The plan of req (None without tools and tool_choice); an APIError (400) naming the field; in
+    K3's format the grammar's calls are placed in its message by OpenAIServing.sampling_params."""
     tools = req.tools or []
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if not tools:
@@ -59,7 +57,7 @@ def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | Non
         raise bad_request(f"two tools are named {duplicate!r}: function names must be unique", "tools")
     xtml = output_reasons(tokenizer)
     try:
-        markers = xtml_marker_ids(tokenizer) if xtml else marker_ids(tokenizer)
+        markers = () if xtml else marker_ids(tokenizer)  # K3's vocabulary has its markers by definition
     except ValueError as e:
         raise bad_request(f"tools are not supported by this model: {e}", "tools", "unsupported_parameter") from e
     functions = [(t.function.name, _parameters(t.function.parameters, i, max_schema_bytes))
@@ -83,8 +81,7 @@ def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | Non
             raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not one of "
                               f"tools ({', '.join(names)})", "tool_choice")
         functions, parallel = [f for f in functions if f[0] == choice.function.name], False
-    style = {"style": "xtml", "thinking": thinking} if xtml else {}
-    grammar = StructuredOutputsParams(tool_calls=ToolCallsFormat(tuple(functions), markers, parallel, **style))
+    grammar = StructuredOutputsParams(tool_calls=ToolCallsFormat(tuple(functions), markers, parallel))
     return ToolPlan(declared, True, grammar, (), None if parallel else 1)
 
 

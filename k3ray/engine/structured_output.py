@@ -46,7 +46,7 @@ SPECIAL_PREFIX = b"\x00k3ray-special-"  # + the id: what xgrammar sees for a spe
 def build_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None = None) -> xgr.Grammar:
     """The strict-JSON grammar of params (no vocabulary needed); ValueError if there is none."""
     if params.tool_calls is not None:
-        return _tool_calls_grammar(params.tool_calls, max_schema_bytes)
+        return _tool_calls_grammar(params, max_schema_bytes)
     if params.json_object:  # any object (strict_mode=False: a bare {"type": "object"} would otherwise allow only {})
         ebnf = _json_ebnf(ANY_OBJECT, [], False, FIELD)
     else:
@@ -54,7 +54,8 @@ def build_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None 
         ebnf = _json_ebnf(json.dumps(schema), patterns, True, FIELD)
     try:
         if params.xtml is not None:
-            return xgr.Grammar.from_structural_tag(tag.StructuralTag(format=_xtml_answer(params.xtml, ebnf)))
+            answer = [tag.GrammarFormat(grammar=ebnf), *_xtml_element(params.xtml, CLOSE, "response")]
+            return xgr.Grammar.from_structural_tag(tag.StructuralTag(format=_xtml_message(params.xtml, answer)))
         return xgr.Grammar.from_ebnf(ebnf)
     except RuntimeError as e:
         raise ValueError(f"{FIELD} is not a usable JSON schema: {_first_line(e)}") from None
@@ -69,13 +70,18 @@ def _json_ebnf(schema: str, patterns: list[str], strict: bool, field: str) -> st
     return splice(str(converted), patterns)
 
 
-def _tool_calls_grammar(tool_calls: ToolCallsFormat, max_schema_bytes: int | None) -> xgr.Grammar:
+def _tool_calls_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None) -> xgr.Grammar:
+    tool_calls = params.tool_calls
+    if not tool_calls.markers and params.xtml is None:
+        raise ValueError("structured_outputs.tool_calls without K2's markers needs structured_outputs.xtml: where in "
+                         "K3's message the calls go")
     arguments = {}
     for name, text in tool_calls.functions:
         field = tool_schema_field(name)
         schema, patterns = schema_with_placeholders(checked_schema(text, max_schema_bytes, field))
         arguments[name] = tag.GrammarFormat(grammar=_json_ebnf(json.dumps(schema), patterns, True, field))
-    section = _xtml_message(tool_calls, arguments) if tool_calls.style == "xtml" else _k2_section(tool_calls, arguments)
+    section = _k2_section(tool_calls, arguments) if params.xtml is None else \
+        _xtml_message(params.xtml, _xtml_tools(params.xtml, tool_calls, arguments))
     try:
         return xgr.Grammar.from_structural_tag(tag.StructuralTag(format=section))
     except RuntimeError as e:
@@ -94,42 +100,36 @@ def _k2_section(tool_calls: ToolCallsFormat, arguments: dict) -> tag.Format:
         tag.TokenFormat(token=section_end)])
 
 
-def _xtml_elements(markers: tuple[int, int, int]):
-    """K3's element markers as structural-tag pieces: (open, close, sep, `element(marker, header)`)."""
-    open_, close, sep = (tag.TokenFormat(token=t) for t in markers)
-
-    def element(marker: tag.TokenFormat, header: str) -> list[tag.Format]:
-        return [marker, tag.ConstStringFormat(value=header), sep]
-
-    return open_, close, sep, element
+OPEN, CLOSE, SEP = range(3)  # K3's markers, by their place in XtmlMessage.markers
 
 
-def _xtml_answer(message: XtmlMessage, ebnf: str) -> tag.Format:
-    """The rest of K3's assistant message with a JSON answer: [reasoning, think closed, response
-    opened], the JSON, the response and the message closed."""
-    open_, close, _, element = _xtml_elements(message.markers)
-    head = [tag.RegexFormat(pattern=FREE_TEXT), *element(close, "think"), *element(open_, "response")] \
-        if message.thinking else []
-    return tag.SequenceFormat(elements=[*head, tag.GrammarFormat(grammar=ebnf), *element(close, "response"),
-                                        *element(close, "message")])
+def _xtml_element(message: XtmlMessage, marker: int, header: str) -> list[tag.Format]:
+    """`<|open|>header<|sep|>` or `<|close|>header<|sep|>` as structural-tag pieces."""
+    return [tag.TokenFormat(token=message.markers[marker]), tag.ConstStringFormat(value=header),
+            tag.TokenFormat(token=message.markers[SEP])]
 
 
-def _xtml_message(tool_calls: ToolCallsFormat, arguments: dict) -> tag.Format:
-    """The rest of K3's assistant message: [reasoning, think closed, response opened], the response
-    closed empty, the tools channel of calls with a json block each, the message closed."""
-    open_, close, sep, element = _xtml_elements(tool_calls.markers)
+def _xtml_message(message: XtmlMessage, body: list[tag.Format]) -> tag.Format:
+    """The rest of K3's assistant message: [free reasoning, think closed, response opened], `body`
+    (which closes the response channel), the message closed."""
+    head = [tag.RegexFormat(pattern=FREE_TEXT), *_xtml_element(message, CLOSE, "think"),
+            *_xtml_element(message, OPEN, "response")] if message.thinking else []
+    return tag.SequenceFormat(elements=[*head, *body, *_xtml_element(message, CLOSE, "message")])
+
+
+def _xtml_tools(message: XtmlMessage, tool_calls: ToolCallsFormat, arguments: dict) -> list[tag.Format]:
+    """An empty response closed, then the tools channel of calls with a json block each."""
+    def element(marker: int, header: str) -> list[tag.Format]:
+        return _xtml_element(message, marker, header)
 
     calls = [tag.SequenceFormat(elements=[
-        open_, tag.ConstStringFormat(value=f'call tool="{name}" index="'), tag.RegexFormat(pattern=XTML_CALL_INDEX),
-        tag.ConstStringFormat(value='"'), sep, *element(open_, 'json type="object"'), grammar,
-        *element(close, "json"), *element(close, "call")]) for name, grammar in arguments.items()]
+        tag.TokenFormat(token=message.markers[OPEN]), tag.ConstStringFormat(value=f'call tool="{name}" index="'),
+        tag.RegexFormat(pattern=XTML_CALL_INDEX), tag.ConstStringFormat(value='"'),
+        tag.TokenFormat(token=message.markers[SEP]), *element(OPEN, 'json type="object"'), grammar,
+        *element(CLOSE, "json"), *element(CLOSE, "call")]) for name, grammar in arguments.items()]
     call = calls[0] if len(calls) == 1 else tag.OrFormat(elements=calls)
-    head = [tag.RegexFormat(pattern=FREE_TEXT), *element(close, "think"), *element(open_, "response")] \
-        if tool_calls.thinking else []
-    return tag.SequenceFormat(elements=[
-        *head, *element(close, "response"), *element(open_, "tools"),
-        tag.PlusFormat(content=call) if tool_calls.parallel else call, *element(close, "tools"),
-        *element(close, "message")])
+    return [*element(CLOSE, "response"), *element(OPEN, "tools"),
+            tag.PlusFormat(content=call) if tool_calls.parallel else call, *element(CLOSE, "tools")]
 
 
 def check_grammar(params: StructuredOutputsParams, max_schema_bytes: int | None = None) -> None:
