@@ -47,13 +47,14 @@ def options_from_kwargs(kwargs: Mapping[str, Any] | None, reasoning_effort: str 
     `thinking_effort`) and OpenAI's `reasoning_effort` (`none` turns thinking off; another fills an
     effort not given); ValueError naming the bad one. any_kwargs: a Jinja template takes whatever keys
     it reads, so none is refused."""
-    fields["template_kwargs"] = dict(kwargs or {})
     kwargs = dict(kwargs or {})
+    fields["template_kwargs"] = dict(kwargs)
     thinking = kwargs.pop("thinking", None)
     enable_thinking = kwargs.pop("enable_thinking", None)  # Qwen's name, which vLLM users send
     if thinking is None:
         thinking = enable_thinking
-    effort = kwargs.pop("thinking_effort", DEFAULT_EFFORT) if "thinking_effort" in kwargs else None
+    effort_given = "thinking_effort" in kwargs  # given as null: no effort message, as the release
+    effort = kwargs.pop("thinking_effort", None)
     if reasoning_effort is not None:
         if reasoning_effort == "none":  # as vLLM's K3 renderer: OpenAI's "none" turns thinking off
             thinking = False
@@ -65,6 +66,6 @@ def options_from_kwargs(kwargs: Mapping[str, Any] | None, reasoning_effort: str 
     if kwargs and not any_kwargs:
         raise ValueError(f"chat_template_kwargs: unknown keys {sorted(kwargs)}; this server's chat format takes "
                          "thinking, enable_thinking and thinking_effort")
-    given = "thinking_effort" in fields["template_kwargs"]  # given as null: no effort message, as the release
-    return ChatOptions(thinking=thinking, thinking_effort=effort if effort is not None or given else DEFAULT_EFFORT,
-                       **fields)
+    if effort is None and not effort_given:
+        effort = DEFAULT_EFFORT
+    return ChatOptions(thinking=thinking, thinking_effort=effort, **fields)
