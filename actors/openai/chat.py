@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from k3ray.actors.openai.choice_output import ChoiceOutput, chat_options
+from k3ray.actors.openai.choice_output import ChoiceOutput, chat_options, starts_thinking
 from k3ray.actors.openai.errors import bad_request
 from k3ray.actors.openai.logprobs import chat_logprobs
 from k3ray.actors.openai.protocol import ChatCompletionRequest
@@ -38,7 +38,8 @@ class ChatTurn:
     options: ChatOptions
 
     def choice_output(self, serving: OpenAIServing) -> ChoiceOutput:
-        return ChoiceOutput(serving.tokenizer, self.options, self.tools, self.req.skip_special_tokens)
+        return ChoiceOutput(serving.tokenizer, self.options, self.tools, self.req.skip_special_tokens,
+                            starts_thinking(self.req, self.options))
 
 
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
@@ -75,7 +76,7 @@ async def prepare_chat(serving: OpenAIServing, req: ChatCompletionRequest, id_pr
     serving.check_context([prompt], max_tokens,
                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=(top or 0) if req.logprobs else None,
-                                     tools=tools, options=options)
+                                     tools=tools, thinking=starts_thinking(req, options))
     return ChatTurn(req, prompt, params, serving.request_id(id_prefix), tools, options)
 
 

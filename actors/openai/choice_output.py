@@ -31,6 +31,12 @@ def chat_options(req: ChatCompletionRequest, tokenizer) -> ChatOptions:
         raise bad_request(str(e), param) from e
 
 
+def starts_thinking(req: ChatCompletionRequest, options: ChatOptions) -> bool:
+    """Whether K3's prompt leaves its think channel open: thinking on, unless a continued final
+    message with content left its response channel open (chat_xtml.py)."""
+    return options.thinking_on() and not (req.continue_final_message and req.messages[-1].content)
+
+
 def reads_output(tokenizer, tools) -> bool:
     """Whether the output is parsed (its text then keeps special tokens): always for K3's channels."""
     return output_reasons(tokenizer) or (tools is not None and tools.parse)
@@ -42,14 +48,15 @@ def _special_tokens(tokenizer) -> SpecialTokens:
 
 
 class ChoiceOutput:
-    def __init__(self, tokenizer, options: ChatOptions, tools, skip_special_tokens: bool) -> None:
-        """tools: the request's ToolPlan (None without tools)."""
+    def __init__(self, tokenizer, options: ChatOptions, tools, skip_special_tokens: bool, thinking: bool) -> None:
+        """tools: the request's ToolPlan (None without tools); thinking: K3's output starts in its
+        think channel (starts_thinking)."""
         self.reasons = output_reasons(tokenizer)
         max_calls = (tools.max_calls if tools.parse else 0) if tools is not None else 0
         keep = not skip_special_tokens
         self.parser = None
         if self.reasons:
-            self.parser = XtmlOutputParser(_special_tokens(tokenizer), thinking=options.thinking_on(),
+            self.parser = XtmlOutputParser(_special_tokens(tokenizer), thinking=thinking,
                                            keep_specials=keep, max_calls=max_calls)
         elif tools is not None and tools.parse:
             self.parser = ToolCallParser(_special_tokens(tokenizer), keep, tools.max_calls)

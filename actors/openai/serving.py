@@ -204,24 +204,25 @@ class OpenAIServing:
     # sampling ----------------------------------------------------------------------------------
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None, tools: ToolPlan | None = None,
-                        options: ChatOptions | None = None) -> SamplingParams:
-        """tools: a chat request's tool plan (its grammar, stop tokens); options: a chat request's
-        (whose output is then read by its format's parser, from text with special tokens)."""
+                        thinking: bool | None = None) -> SamplingParams:
+        """tools: a chat request's tool plan (its grammar, stop tokens); thinking: for a chat request,
+        whether K3's prompt leaves its think channel open (its output is then read by its format's
+        parser, from text with special tokens; None: no chat)."""
         _reject_unsupported(req)
         structured_outputs = _structured_outputs(req.response_format)
         stop_token_ids = tuple(req.stop_token_ids or ())
         stop = req.stop
-        reads = options is not None and reads_output(self.tokenizer, tools)
+        reads = thinking is not None and reads_output(self.tokenizer, tools)
         if tools is not None:
             structured_outputs = tools.structured_outputs or structured_outputs
             stop_token_ids += tuple(t for t in tools.stop_token_ids if t not in stop_token_ids)
             for extra in tools.stop:
                 stop = _with_stop(stop, extra)
-        if options is not None and output_reasons(self.tokenizer):
+        if thinking is not None and output_reasons(self.tokenizer):
             stop = _with_stop(stop, MESSAGE_END)
             if structured_outputs is not None:  # the answer or the calls inside K3's message
                 structured_outputs = replace(structured_outputs, xtml=XtmlMessage(xtml_marker_ids(self.tokenizer),
-                                                                                  options.thinking_on()))
+                                                                                  thinking))
         try:
             params = SamplingParams(
                 n=req.n,

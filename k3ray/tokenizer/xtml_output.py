@@ -66,14 +66,13 @@ class XtmlOutputParser(SpecialTextReader):
     """Feed the output text (decoded with its special tokens) piece by piece, then `finish`; or `parse`."""
 
     def __init__(self, specials: SpecialTokens | None = None, thinking: bool = True, keep_specials: bool = False,
-                 max_calls: int | None = None, start: str | None = None) -> None:
-        """thinking: the prompt opened the think channel (else the response channel); start: the
-        channel it left open, when that is neither (a continued final message)."""
+                 max_calls: int | None = None) -> None:
+        """thinking: the prompt left the think channel open (else the response channel)."""
         self.specials = specials or SpecialTokens(sp.XTML_MARKERS)
         self.keep_specials = keep_specials
         self.max_calls = max_calls
         self.calls: list[ToolCall] = []
-        self._state = start or (THINK if thinking else RESPONSE)
+        self._state = THINK if thinking else RESPONSE
         self._fresh = True  # nothing read yet: a repeated open of the prompt's channel is accepted
         self._pending = ""  # may still grow into a special token
         self._marker: str | None = None  # OPEN or CLOSE whose header is being read up to SEP

@@ -92,6 +92,17 @@ def test_thinking_is_reasoning_content_never_content(client):
         assert streamed(client, **kw) == got
 
 
+def test_a_continued_response_is_content_not_reasoning(client):
+    """continue_final_message leaves the final message's response channel open: with thinking on, the
+    output continues the response (content), not the think channel."""
+    messages = USER + [{"role": "assistant", "content": "The answer is"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=16, seed=2,
+              extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    message = client.chat.completions.create(**kw).choices[0].message
+    assert getattr(message, "reasoning_content", None) is None and message.content
+    assert streamed(client, **kw)["reasoning"] == ""
+
+
 def test_thinking_off_has_no_reasoning(client):
     for fields in (OFF, {"reasoning_effort": "none"}):
         kw = dict(model=MODEL, messages=USER, max_tokens=16, seed=1, extra_body=fields)
