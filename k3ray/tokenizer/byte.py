@@ -71,7 +71,8 @@ class ByteTokenizer(Tokenizer):
         if chat_format not in (*SPECIAL_TOKENS, JINJA) or (chat_format == JINJA) != (chat_template is not None):
             raise ValueError(f"chat_format must be one of {(*SPECIAL_TOKENS, JINJA)} (jinja with a chat_template), "
                              f"got {chat_format!r}")
-        special_tokens = {token: 256 + i for i, token in enumerate(SPECIAL_TOKENS.get(chat_format, BYTE_SPECIAL_TOKENS_K2))}
+        names = SPECIAL_TOKENS.get(chat_format, BYTE_SPECIAL_TOKENS_K2)  # a Jinja template over K2's vocabulary
+        special_tokens = {token: 256 + i for i, token in enumerate(names)}
         special_tokens[sp.PAD] = vocab_size - 1
         super().__init__(
             name="k3-byte",

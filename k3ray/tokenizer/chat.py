@@ -114,7 +114,8 @@ def check_messages(messages: Sequence[dict], roles: Sequence[str]) -> None:
         if not isinstance(message, dict):
             raise ValueError(f"messages[{index}] must be a dict, got {type(message).__name__}")
         if message.get("role") not in roles:
-            raise ValueError(f"messages[{index}] has unknown role {message.get('role')!r}; expected one of {tuple(roles)}")
+            raise ValueError(f"messages[{index}] has unknown role {message.get('role')!r}; "
+                             f"expected one of {tuple(roles)}")
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise ValueError(f"messages[{index}].name must be a string, got {type(name).__name__}")

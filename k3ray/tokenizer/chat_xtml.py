@@ -195,7 +195,9 @@ def _assistant(message: dict, where: str, thinking: bool, is_open: bool, media_p
         if is_open and not content:  # continue inside the reasoning
             return out
         out += _close("think")
-    out += _open("response", {}) + ([] if content is None else content_segments(content, f"{where}.content", media_prompt))
+    out += _open("response", {})
+    if content is not None:
+        out += content_segments(content, f"{where}.content", media_prompt)
     if is_open:
         return out
     out += _close("response")
