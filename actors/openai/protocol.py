@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from k3ray.sampling_params import FUNCTION_NAME_PATTERN, MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -90,6 +90,12 @@ class ResponseFormat(OpenAIModel):
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _json_schema_has_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        return self
 
 
 class SamplingFields(OpenAIModel):

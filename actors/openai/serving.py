@@ -357,8 +357,7 @@ def _structured_outputs(response_format: ResponseFormat | None) -> StructuredOut
         return None
     if response_format.type == "json_object":
         return StructuredOutputsParams(json_object=True)
-    if response_format.json_schema is None or response_format.json_schema.json_schema is None:
-        raise bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
+    assert response_format.json_schema is not None and response_format.json_schema.json_schema is not None
     return StructuredOutputsParams(json=response_format.json_schema.json_schema)
 
 
