@@ -17,14 +17,14 @@ from typing import Any, Literal
 LayerType = Literal["kda", "mla"]
 ExpertFormat = Literal["mxfp4", "bf16"]
 
-MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (KimiRMSNorm default), research §4.2
+MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (KimiRMSNorm default), docs/k3-architecture.md §4.2
 L2_NORM_EPS = 1e-6  # KDA q/k L2 norm, eps inside the sqrt
 MXFP4_GROUP = 32
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """MoonViT-V2 tower + PatchMergerMLPV2 projector (research §7.1)."""
+    """MoonViT-V2 tower + PatchMergerMLPV2 projector (docs/k3-architecture.md §7.1)."""
 
     patch_size: int = 14
     hidden_size: int = 1024
@@ -511,7 +511,7 @@ def _k3_layer_types(num_layers: int, period: int = 4) -> tuple[LayerType, ...]:
 
 
 def k3_config() -> ModelConfig:
-    """The published Kimi K3 numbers (research §1.1)."""
+    """The published Kimi K3 numbers (docs/k3-architecture.md §1.1)."""
     return ModelConfig(
         name="k3",
         hidden_size=7168,

@@ -5,7 +5,7 @@ port of the checkpoint's `modeling_kimi_k3.py` builds `nn.RMSNorm(dim)` with no 
 `torch.finfo(dtype).eps`: 2^-7 for the published bf16 weights. A second port (mlxcel) pins 2^-7 and says
 the reference writes `2 ** -7`. Both agree for bf16, so the constant is used for every dtype (a float32
 run then matches the bf16 reference's normalisation rather than finfo(float32)). The projector's
-post_norm uses the config's `projector_ln_eps` (1e-5). Research §7.3, §12.
+post_norm uses the config's `projector_ln_eps` (1e-5). See docs/k3-architecture.md §7.3, §12.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`sd2_tpool` merging (research §7.3 step 4): per chunk, mean over its t frames, then each
+"""`sd2_tpool` merging (docs/k3-architecture.md §7.3 step 4): per chunk, mean over its t frames, then each
 kh x kw block of patches becomes one token of width kh * kw * D (row-major inside the block)."""
 
 from __future__ import annotations

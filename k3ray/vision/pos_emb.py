@@ -1,4 +1,4 @@
-"""MoonViT3d's `divided_fixed` absolute position term (research §7.3 step 2).
+"""MoonViT3d's `divided_fixed` absolute position term (docs/k3-architecture.md §7.3 step 2).
 
 Spatial: a learnable [H0, W0, D] grid, used as-is when a chunk is H0 x W0 patches and otherwise
 resampled with `F.interpolate(mode="bilinear", align_corners=False)` to (h, w). Temporal: for chunks of

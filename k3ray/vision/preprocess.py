@@ -1,4 +1,4 @@
-"""Images -> NaViT patches for the tower, the way K2.5 / K3 preprocess them (research §7.3 step 1).
+"""Images -> NaViT patches for the tower, the way K2.5 / K3 preprocess them (docs/k3-architecture.md §7.3 step 1).
 
 Per image: decode with Pillow (size checked from the header before any pixel is decoded), scale
 down (never up, aspect ratio kept) so that floor(w/14) * floor(h/14) fits `max_patches` and no side

@@ -1,4 +1,4 @@
-"""PatchMergerMLPV2 (research §7.3 step 5), published names under `mm_projector.`:
+"""PatchMergerMLPV2 (docs/k3-architecture.md §7.3 step 5), published names under `mm_projector.`:
 proj.0 (Linear, no bias) -> proj.1 GELU (exact erf) -> proj.2 (Linear, no bias) -> post_norm (RMSNorm).
 K2.5's projector instead normalises first (LayerNorm `pre_norm`) and has biases."""
 

@@ -1,4 +1,4 @@
-"""2D rotary embedding of the MoonViT towers (`Rope2DPosEmbRepeated`, research §7.3).
+"""2D rotary embedding of the MoonViT towers (`Rope2DPosEmbRepeated`, docs/k3-architecture.md §7.3).
 
 A head of size d holds d/2 complex pairs (consecutive real, imag elements). Pair 2i rotates by
 column * f_i and pair 2i+1 by row * f_i, with f_i = theta^(-4i/d) for i < d/4, so x and y

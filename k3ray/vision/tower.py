@@ -1,4 +1,4 @@
-"""The MoonViT3d tower as K3 uses it (research §7.2-7.3), eager PyTorch with the published names
+"""The MoonViT3d tower as K3 uses it (docs/k3-architecture.md §7.2-7.3), eager PyTorch with the published names
 under `vision_tower.`: patch_embed.{proj, pos_emb}, encoder.blocks.{i}.{norm0, wqkv, wo, norm1,
 mlp.fc0, mlp.fc1}, encoder.final_layernorm. No biases anywhere; RMSNorm (eps 2^-7) instead of
 K2.5's LayerNorm; the qkv width (1536 in K3) is decoupled from the hidden width (1024).

@@ -1,6 +1,6 @@
 """Kimi K3 XTML chat rendering (k3ray/tokenizer/chat_xtml.py) against golden prompts.
 
-Every expected prompt below is an exact string. Sources (see /work/notes/k3-xtml-facts.md, "Source index"):
+Every expected prompt below is an exact string. Sources (docs/k3-conversation.md, "Sources"):
 - the release encoder is moonshotai/Kimi-K3 `encoding_k3.py`, vendored verbatim by vllm-project/vllm as
   `vllm/tokenizers/encoding_k3.py`; the release `tokenization_kimi.py` defaults thinking=True,
   thinking_effort="max", add_generation_prompt=True (ChatOptions() has the same defaults);

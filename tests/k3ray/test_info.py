@@ -16,7 +16,7 @@ from k3ray.weights import save_checkpoint
 
 def test_k3_parameter_counts_match_the_published_totals():
     s = summarize(k3_config())
-    assert round(s.total / 1e12, 4) == 2.7795  # research §1.3: 2.7795 T text parameters
+    assert round(s.total / 1e12, 4) == 2.7795  # docs/k3-architecture.md §1.3: 2.7795 T text parameters
     assert 103.5e9 < s.active < 104.5e9  # "about 104 B active", lm_head included
     assert round(s.per_layer["kda"] / 1e6, 1) == 443.7
     assert round(s.per_layer["mla"] / 1e6, 1) == 232.2

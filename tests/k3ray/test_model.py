@@ -129,7 +129,7 @@ def test_bf16_model_tracks_fp32(ids):
 
 
 def test_attn_res_source_counts_follow_k3_schedule(monkeypatch):
-    """Simulate K3's 93-layer schedule (tiny widths): sources per AttnRes as in research §2."""
+    """Simulate K3's 93-layer schedule (tiny widths): sources per AttnRes as in docs/k3-architecture.md §2."""
     c = k3_config().replace(
         hidden_size=16, vocab_size=300, intermediate_size=16, kda_num_heads=1, kda_head_dim=8, kda_a_log_size=8,
         mla_num_heads=1, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,

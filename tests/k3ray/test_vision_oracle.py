@@ -1,5 +1,5 @@
 """The K3 vision tower and projector against transformers 5.18.0 `models/kimi_k25` (MoonViT3d of
-K2.5), the closest public oracle (research §7.3). Shared parts (2D RoPE, the divided_fixed position
+K2.5), the closest public oracle (docs/k3-architecture.md §7.3). Shared parts (2D RoPE, the divided_fixed position
 term with its temporal sin/cos, chunk-restricted attention, the temporal-pool merger) are compared
 directly; K3's documented differences are checked explicitly: the oracle is configured to K3's
 choices where it allows (RMSNorm modules swapped in, biases zeroed, bilinear interpolation, the

@@ -1,6 +1,6 @@
 """XtmlOutputParser (k3ray/tokenizer/xtml_output.py) on hand-written K3 XTML outputs.
 
-The output shapes follow /work/notes/k3-xtml-facts.md §11 (the release encoder's element forms, and vLLM's
+The output shapes follow docs/k3-conversation.md ("The output": the release encoder's element forms, and vLLM's
 KimiK3ReasoningParser / KimiK3ToolParser behaviour: only fully closed calls are emitted, attribute escapes undone,
 "string" arguments raw and other types JSON-decoded with the raw text kept when it does not decode)."""
 

@@ -1,6 +1,6 @@
 """AttnRes (+ the RMSNorm after it): the Triton kernel (CPU interpreter) and the CPU path vs
 kernels/attn_res/naive.py, the paper's form (norm with weight, then proj) as an independent
-second implementation, and the invariants of research §5.3."""
+second implementation, and the invariants of docs/k3-architecture.md §5.3."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """kernels/kda/naive.py tied to the public oracles: fla-core 0.6.0's naive KDA and lower-bound
-gate, and transformers 5.18.0's Kimi-Linear torch functions (k3-architecture.md §3.5, §10)."""
+gate, and transformers 5.18.0's Kimi-Linear torch functions (docs/k3-architecture.md §3.5, §10)."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """MoE kernels vs kernels/moe/naive.py: the Triton expert selection and grouped SiTU-GLU expert
 GEMMs (CPU interpreter; dense and MXFP4 weights; local expert ranges), the grouped CPU path, and the
-SiTU limits of research §6.2."""
+SiTU limits of docs/k3-architecture.md §6.2."""
 
 import pytest
 import torch
