@@ -3,8 +3,9 @@
 per multiprocessor and waves on an H200, and the SASS instruction mix (tensor-core vs fp32 FMA).
 A static report: it measures no time, and needs TRITON_INTERPRET unset.
 
-Each op folder may ship `kernels/<op>/launches.py` with `launches() -> list[dict]` (keys op,
-shape, fn: a Triton launcher called on CPU tensors at K3's shapes); every present one is used."""
+Each op folder of k3ray.kernels has its launches in `k3ray.bench.kernel_launches.<op>`:
+`launches() -> list[dict]` (keys op, shape, fn: a Triton launcher called on CPU tensors at K3's
+shapes)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def launch_modules(ops: list[str]) -> list[Any]:
     unknown = sorted(set(ops) - set(OP_MODULES))
     if unknown:
         raise ValueError(f"--ops: unknown op folders {unknown}; choose from {list(OP_MODULES)}")
-    return [importlib.import_module(f"k3ray.kernels.{op}.launches") for op in ops]
+    return [importlib.import_module(f"k3ray.bench.kernel_launches.{op}") for op in ops]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
