@@ -16,6 +16,7 @@ from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, v
 from types import ModuleType
 
 from k3ray.cli_flags import show_defaults
+from k3ray.model_names import check_model_argument
 
 COMMANDS_GROUP = "k3ray.commands"
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     module: ModuleType = args._module
     try:
+        check_model_argument(args)  # a mistyped --model ends here, before any command imports torch
         return module.main(args) or 0
     except ValueError as e:
         path = [args.command, *(getattr(args, f"command_{d}") for d in range(1, 4) if hasattr(args, f"command_{d}"))]

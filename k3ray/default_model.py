@@ -61,6 +61,9 @@ def default_checkpoint_dir() -> str:
 
 
 def checkpoint_dir(model: str | os.PathLike | None) -> str:
-    """The directory to load: None -> the default tiny checkpoint (written on first use); a shipped
-    name that is not an existing path -> its packaged directory; anything else as given."""
-    return default_checkpoint_dir() if model is None else resolve_shipped(model)
+    """The directory to load: None, or DEFAULT_NAME where no checkpoint of that name is here -> the
+    default tiny checkpoint (written on first use); a shipped name that is not an existing path ->
+    its packaged directory; anything else as given."""
+    if model is None or (os.fspath(model) == DEFAULT_NAME and not os.path.exists(os.path.join(model, "config.json"))):
+        return default_checkpoint_dir()
+    return resolve_shipped(model)

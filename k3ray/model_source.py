@@ -9,9 +9,11 @@ import os
 
 from k3ray.checkpoints import SHIPPED, shipped_checkpoint_dir
 from k3ray.cli_flags import add_deprecated_alias
-from k3ray.config import PRESETS, ModelConfig, preset
+from k3ray.config import PRESETS, ModelConfig, k3_tiny_config, preset
+from k3ray.default_model import DEFAULT_NAME
+from k3ray.model_names import CONFIG, set_model_kind
 
-MODEL_CONFIG_HELP = (f"a preset ({', '.join(PRESETS)}), a shipped checkpoint name ({', '.join(SHIPPED)}), "
+MODEL_CONFIG_HELP = (f"a preset ({', '.join(PRESETS)}), a checkpoint name ({', '.join((DEFAULT_NAME, *SHIPPED))}), "
                      "a checkpoint folder or a config.json")
 
 
@@ -19,6 +21,8 @@ def model_config(model: str) -> ModelConfig:
     """The config `model` names (a path that exists wins over a preset or shipped name)."""
     if model in PRESETS and not os.path.exists(model):
         return preset(model)
+    if model == DEFAULT_NAME and not os.path.exists(model):
+        return k3_tiny_config()  # what the default checkpoint is written from
     path = shipped_checkpoint_dir(model) if model in SHIPPED and not os.path.exists(model) else model
     cfg = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(cfg):
@@ -30,3 +34,4 @@ def add_random_model_argument(p: argparse.ArgumentParser, default: str = "k3-tin
     """`--model` of a benchmark that builds random weights (seed 0) from the model's config."""
     p.add_argument("--model", default=default, help=f"whose config, with random weights (seed 0): {MODEL_CONFIG_HELP}")
     add_deprecated_alias(p, "--preset", "--model", dest="model")
+    set_model_kind(p, CONFIG)

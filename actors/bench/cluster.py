@@ -112,11 +112,11 @@ def run(args: argparse.Namespace) -> dict:
     from k3ray.actors.pipeline.moe_dispatch import fan_out, split
     from k3ray.actors.pipeline.protocol import CacheSpec
     from k3ray.actors.pipeline.wire import pack, unpack_raw
-    from k3ray.default_model import default_checkpoint_dir
+    from k3ray.default_model import checkpoint_dir
     from k3ray.models.forward_batch import ModelCache
     from k3ray.weights import load_model
 
-    ckpt = args.model or default_checkpoint_dir()
+    ckpt = checkpoint_dir(args.model)
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)  # the same as each actor: a fair comparison

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from k3ray.bench.common import machine, median_time
 from k3ray.cli_flags import add_deprecated_alias
 from k3ray.device_flags import add_device_argument
+from k3ray.model_names import CONFIG, set_model_kind
 from k3ray.threads import add_threads_argument, set_threads
 
 HELP = "per-op kernel timings at K3 and tiny shapes"
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODEL_SHAPES, default=None,
                         help="only the cases at this model's shapes (k3-tiny: a smoke run; default: both)")
     add_deprecated_alias(parser, "--tiny", "--model k3-tiny", action="store_const", dest="model", const=TINY_LABEL)
+    set_model_kind(parser, CONFIG)  # preset names (argparse's choices hold it to MODEL_SHAPES)
     parser.add_argument("--compare", action="store_true",
                         help="time every case interleaved with its baselines (fla-core, torch, naive.py); "
                              "rows gain baseline, baseline_ms, speedup_vs_baseline")

@@ -19,6 +19,7 @@ from k3ray.bench.kernels import H200_BYTES_PER_S
 from k3ray.cli_flags import add_deprecated_alias
 from k3ray.config import ModelConfig
 from k3ray.device_flags import add_device_argument, add_dtype_argument
+from k3ray.model_names import CONFIG, set_model_kind
 from k3ray.model_source import MODEL_CONFIG_HELP, model_config
 from k3ray.threads import add_threads_argument, set_threads
 
@@ -35,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help=f"whose widths: {MODEL_CONFIG_HELP} (default: k3 on CUDA, k3-tiny on CPU)")
     add_deprecated_alias(p, "--preset", "--model", dest="model")
+    set_model_kind(p, CONFIG)
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="layer kinds to time (default all)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="prefill tokens (default: 8,192 for k3, 256 for other models)")

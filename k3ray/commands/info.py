@@ -7,6 +7,7 @@ import json
 import sys
 
 from k3ray.cli_flags import add_deprecated_alias
+from k3ray.model_names import CONFIG, set_model_kind
 from k3ray.model_source import MODEL_CONFIG_HELP, model_config
 
 HELP = "parameter counts and per-sequence memory of a preset or checkpoint"
@@ -23,6 +24,7 @@ def add_model_config_arguments(p: argparse.ArgumentParser, default: str = "k3") 
     p.add_argument("--model", default=default, help=MODEL_CONFIG_HELP)
     add_deprecated_alias(p, "--preset", "--model", dest="model")
     p.add_argument("legacy_path", nargs="?", help=argparse.SUPPRESS)  # the old positional path
+    set_model_kind(p, CONFIG)
 
 
 def add_format_argument(p: argparse.ArgumentParser) -> None:
