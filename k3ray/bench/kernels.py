@@ -1,9 +1,9 @@
 """`k3ray bench kernels`: per-op timings at K3 and tiny shapes, plus KDA prefill vs fla-core's
 pure-PyTorch `naive_chunk_kda` on CPU.
 
-Each op folder may ship `kernels/<op>/bench.py` with `cases(device, quick) -> list[dict]`
-(keys op, shape, fn, bytes, flops, optional baselines); every present one is collected.
-With --compare each case is timed interleaved with its baselines (kernels/baselines.py); one
+Each op folder of k3ray.kernels has its cases in `k3ray.bench.kernel_cases.<op>`:
+`cases(device, quick) -> list[dict]` (keys op, shape, fn, bytes, flops, optional baselines).
+With --compare each case is timed interleaved with its baselines (kernel_cases/baselines.py); one
 that cannot run here is reported with the reason.
 """
 
@@ -116,16 +116,8 @@ def compare_case(case: dict[str, Any], device: str, repeats: int) -> tuple[float
 
 
 def _op_modules(ops: list[str]) -> list[Any]:
-    """The `bench` modules of the op folders that ship one."""
-    found = []
-    for op in ops:
-        name = f"k3ray.kernels.{op}.bench"
-        try:
-            found.append(importlib.import_module(name))
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-    return found
+    """The case modules of the op folders."""
+    return [importlib.import_module(f"k3ray.bench.kernel_cases.{op}") for op in ops]
 
 
 def compare_with_fla_naive_chunk(heads: int, repeats: int, T: int = 4096, K: int = 128) -> dict[str, Any] | None:
@@ -140,7 +132,7 @@ def compare_with_fla_naive_chunk(heads: int, repeats: int, T: int = 4096, K: int
     except ImportError:
         return None
     # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
-    from k3ray.kernels.kda.bench import make_inputs
+    from k3ray.bench.kernel_cases.kda import make_inputs
     from k3ray.kernels.kda.dispatch import chunk_kda
 
     q, k, v, g, beta = make_inputs(T, heads, K, K, "cpu", dtype=torch.float32)

@@ -6,7 +6,7 @@ state add up over many chunks); H = 2 heads and K = V = 64 keep the float64 refe
 the fp32 recurrence to a few seconds here, and the ratio does not depend on the head count (heads
 are independent) and hardly on K (measured 1.3-1.5x at K = V = 64 and 128; 4-7.5x before the
 exponent products were running products). The gate is K3's `-5 * sigmoid(...)` with gates
-spread from near 0 to the bound, as kernels/kda/bench.py and the kernel tests make them.
+spread from near 0 to the bound, as k3ray/bench/kernel_cases/kda.py and the kernel tests make them.
 """
 
 import pytest

@@ -13,7 +13,7 @@ import pytest
 import torch
 from triton.runtime import interpreter
 
-from k3ray.kernels.kda.bench import make_inputs
+from k3ray.bench.kernel_cases.kda import make_inputs
 from k3ray.kernels.kda.chunk_cpu import chunk_kda_cpu
 from k3ray.kernels.kda.chunk_triton import chunk_kda_triton
 from k3ray.kernels.triton_dots import interpreting

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from k3ray.kernels.attn_res.attn_res_triton import attn_res_rmsnorm_triton
-from k3ray.kernels.attn_res.bench import K3_HIDDEN
+from k3ray.bench.kernel_cases.attn_res import K3_HIDDEN
 
 
 def _case(T: int, R: int) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from k3ray.kernels.conv.bench import K3_CHANNELS, WIDTH
+from k3ray.bench.kernel_cases.conv import K3_CHANNELS, WIDTH
 from k3ray.kernels.conv.causal_conv1d_triton import causal_conv1d_spec_triton, causal_conv1d_triton
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from k3ray.kernels.kda.bench import K3_HEAD_DIM, K3_HEADS
+from k3ray.bench.kernel_cases.kda import K3_HEAD_DIM, K3_HEADS
 from k3ray.kernels.kda.chunk_triton import chunk_kda_triton
 from k3ray.kernels.kda.fused_recurrent_triton import fused_recurrent_kda_triton
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from k3ray.kernels.mla.bench import BLOCK, K3
+from k3ray.bench.kernel_cases.mla import BLOCK, K3
 from k3ray.kernels.mla.decode_triton import default_num_splits, mla_decode_triton
 from k3ray.kernels.mla.prefill_triton import mla_prefill_triton
 from k3ray.kernels.offline_compile import H200

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from k3ray.kernels.moe.bench import K3_INTER, K3_LATENT
+from k3ray.bench.kernel_cases.moe import K3_INTER, K3_LATENT
 from k3ray.kernels.moe.experts_triton import moe_experts_triton
 from k3ray.kernels.moe.mxfp4 import GROUP
 from k3ray.kernels.moe.select_experts_triton import select_experts_triton

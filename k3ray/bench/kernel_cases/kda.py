@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from k3ray.kernels.baselines import fla_function
+from k3ray.bench.kernel_cases.baselines import fla_function
 from k3ray.kernels.kda.dispatch import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_spec
 from k3ray.kernels.kda.naive import l2norm, naive_chunk_kda, naive_recurrent_kda, naive_recurrent_kda_spec
 

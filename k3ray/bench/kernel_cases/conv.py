@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from k3ray.kernels.baselines import fla_function
+from k3ray.bench.kernel_cases.baselines import fla_function
 from k3ray.kernels.conv.dispatch import causal_conv1d, causal_conv1d_spec, causal_conv1d_update
 from k3ray.kernels.conv.naive import naive_causal_conv1d, naive_causal_conv1d_spec
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from k3ray.kernels.baselines import BaselineUnavailable, require_cuda
+from k3ray.bench.kernel_cases.baselines import BaselineUnavailable, require_cuda
 from k3ray.kernels.moe.dispatch import moe_experts, select_experts
 from k3ray.kernels.moe.mxfp4 import GROUP, dequantize_mxfp4
 from k3ray.kernels.moe.naive import naive_moe_experts, naive_select_experts, situ_glu

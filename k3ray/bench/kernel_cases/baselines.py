@@ -1,6 +1,6 @@
 """Side-by-side baselines for the benchmark cases (`k3ray bench kernels --compare`).
 
-A case in kernels/<op>/bench.py may carry `"baselines": {name: factory}`; each factory builds
+A case in kernel_cases/<op>.py may carry `"baselines": {name: factory}`; each factory builds
 the callable to time beside the case's own `fn` (same inputs, same work), or raises
 BaselineUnavailable saying why it cannot run on this machine (fla-core's kernels need CUDA).
 """
