@@ -2,7 +2,8 @@
 endpoint (`--endpoint URL`, optionally `--served-model-name`), or a checkpoint in this process
 (`--model DIR`: the same prompts and answers as the server gives, without HTTP).
 
-Writes OUT/results.jsonl (one record per cell; --resume skips finished cells), OUT/summary.json,
+Writes OUT/results.jsonl (one record per item, a cell's samples being its items; --resume skips
+finished items), OUT/summary.json,
 OUT/heatmap.png, OUT/report.md and OUT/report.html. `--oracle right|wrong` replaces the endpoint
 with a built-in reader that answers everything right (or wrong), to check the harness offline.
 
@@ -267,5 +268,5 @@ def main(args: argparse.Namespace) -> int:
         return 2
     accuracy = "-" if summary["accuracy"] is None else f"{100 * summary['accuracy']:.1f}%"
     failed = f"{summary['errors']} failed" + (" (errors in results.jsonl)" if summary["errors"] else "")
-    print(f"accuracy {accuracy} over {summary['n']} cells, {failed}; report in {args.out}")
+    print(f"accuracy {accuracy} over {summary['n']} items in {summary['cells']} cells, {failed}; report in {args.out}")
     return 0 if summary["errors"] == 0 else 1

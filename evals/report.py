@@ -1,8 +1,10 @@
 """summary.json, report.md and report.html from a run's records (accuracies are fractions in [0, 1]).
 
-summary.json holds `lengths`, `depths`, `accuracy` (mean score of every scored cell), `grid`
-(`grid[i][j]`: mean score at lengths[i] x depths[j], null where no cell ran; only cells with an
+summary.json holds `lengths`, `depths`, `accuracy` (mean score of every scored item), `grid`
+(`grid[i][j]`: mean score at lengths[i] x depths[j], null where no item ran; only items with an
 explicit depth), `by_length`, per-task breakdowns under `tasks`, counts and the run's `config`.
+Counts: `n` scored items (records), `cells` the task x length x depth cells they fill (the
+samples of a cell are its items), `errors` failed items.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ def _mean(records: Sequence[dict[str, Any]]) -> float | None:
     return round(sum(r["score"] for r in records) / len(records), 6) if records else None
 
 
+def _cells(records: Sequence[dict[str, Any]]) -> int:
+    return len({(r["task"], r["length"], r["depth"]) for r in records})
+
+
 def _breakdown(records: Sequence[dict[str, Any]], lengths: list[int], depths: list[float]) -> dict[str, Any]:
     return {
         "accuracy": _mean(records),
         "n": len(records),
+        "cells": _cells(records),
         "by_length": {str(n): _mean([r for r in records if r["length"] == n]) for n in lengths},
         "grid": [[_mean([r for r in records if (r["length"], r["depth"]) == (n, d)]) for d in depths] for n in lengths],
     }
@@ -50,6 +57,7 @@ def summarize(records: Sequence[dict[str, Any]], tasks: Sequence[Task], config: 
         "grid": overall["grid"],
         "by_length": overall["by_length"],
         "n": len(scored),
+        "cells": overall["cells"],
         "errors": len(records) - len(scored),
         "tasks": per_task,
         "config": config,
@@ -70,16 +78,16 @@ def _tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str
         rows = [[f"{d:g}%"] + [_pct(summary["grid"][i][j]) for i in range(len(lengths))]
                 for j, d in enumerate(summary["depths"])]
         tables.append(("Accuracy (%) by depth x length", ["depth"] + [length_label(n) for n in lengths], rows))
-    per_task = [[name, t["unit"], t["metric"], str(t["n"]), _pct(t["accuracy"])]
+    per_task = [[name, t["unit"], t["metric"], str(t["n"]), str(t["cells"]), _pct(t["accuracy"])]
                 + [_pct(t["by_length"].get(str(n))) for n in lengths] for name, t in summary["tasks"].items()]
-    tables.append(("Accuracy (%) by task and length", ["task", "unit", "metric", "cells", "all"]
+    tables.append(("Accuracy (%) by task and length", ["task", "unit", "metric", "items", "cells", "all"]
                    + [length_label(n) for n in lengths], per_task))
     return tables
 
 
 def _headline(summary: dict[str, Any]) -> str:
-    return (f"Overall accuracy {_pct(summary['accuracy'])}% over {summary['n']} scored cells"
-            f" ({summary['errors']} failed).")
+    return (f"Overall accuracy {_pct(summary['accuracy'])}% over {summary['n']} scored items in "
+            f"{summary['cells']} cells ({summary['errors']} failed).")
 
 
 def markdown(summary: dict[str, Any]) -> str:

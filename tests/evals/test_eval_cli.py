@@ -34,16 +34,16 @@ def test_depths_are_percentages():
 def test_niah_with_the_right_oracle_writes_every_output(tmp_path, capsys):
     out = tmp_path / "niah"
     assert _main("niah", "--oracle", "right", "--lengths", "1k,2k", "--depths", "0,50,100", "--out", str(out),
-                 "--concurrency", "2", "--no-progress") == 0
+                 "--samples", "2", "--concurrency", "2", "--no-progress") == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accuracy"] == 1.0 and summary["lengths"] == [1024, 2048] and summary["depths"] == [0, 50, 100]
     assert {p.name for p in out.iterdir()} == {"results.jsonl", "config.json", "summary.json", "heatmap.png",
                                                 "report.md", "report.html"}
-    assert "accuracy 100.0% over 6 cells, 0 failed" in capsys.readouterr().out
+    assert "accuracy 100.0% over 12 items in 6 cells, 0 failed" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--resume"):
         _main("niah", "--oracle", "right", "--lengths", "1k", "--depths", "50", "--out", str(out), "--no-progress")
     assert _main("niah", "--oracle", "right", "--lengths", "1k,2k", "--depths", "0,50,100", "--out", str(out),
-                 "--resume", "--no-progress") == 0
+                 "--samples", "2", "--resume", "--no-progress") == 0
 
 
 def test_ruler_suite_with_the_wrong_oracle_scores_zero(tmp_path):

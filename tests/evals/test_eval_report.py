@@ -43,13 +43,25 @@ def test_report_files_exist_and_carry_the_numbers(tmp_path):
         assert png.format == "PNG" and png.width > 300 and png.height > 200
         assert len(png.convert("RGB").getcolors(1 << 16) or []) > 50  # drawn, not blank
     md = (tmp_path / "report.md").read_text()
-    assert "Overall accuracy 70.0% over 5 scored cells (1 failed)." in md
+    assert "Overall accuracy 70.0% over 5 scored items in 5 cells (1 failed)." in md
     assert "| 0% | 75.0 | 100.0 |" in md and "| 100% | 0.0 | 100.0 |" in md
-    assert "| vt | tokens | all | 1 | 50.0 | 50.0 | - |" in md
+    assert "| vt | tokens | all | 1 | 1 | 50.0 | 50.0 | - |" in md
     assert "| target | k3@http://127.0.0.1:8000 |" in md and "![accuracy heatmap](heatmap.png)" in md
     page = (tmp_path / "report.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<img src='heatmap.png'" in page
     assert "<td>75.0</td>" in page and "<td>k3@http://127.0.0.1:8000</td>" in page
+
+
+def test_items_and_cells_are_counted_apart():
+    """Two samples a cell: 18 items fill 9 cells; a random-depth cell is its task and length."""
+    records = [_record("niah", n, d, 1.0) for n in (1024, 2048, 4096) for d in (0.0, 50.0, 100.0) for _ in range(2)]
+    records += [_record("cwe", 4096, None, 0.0) for _ in range(3)]
+    summary = report.summarize(records, [TASKS["niah"], TASKS["cwe"]], {"target": "oracle"})
+    assert (summary["n"], summary["cells"]) == (21, 10)
+    assert (summary["tasks"]["niah"]["n"], summary["tasks"]["niah"]["cells"]) == (18, 9)
+    assert (summary["tasks"]["cwe"]["n"], summary["tasks"]["cwe"]["cells"]) == (3, 1)
+    md = report.markdown(summary)
+    assert "over 21 scored items in 10 cells (0 failed)." in md and "| niah | tokens | all | 18 | 9 |" in md
 
 
 def test_html_escapes_what_it_shows(tmp_path):
