@@ -22,8 +22,8 @@ from dataclasses import replace
 from typing import Any
 
 from k3ray.engine.llm import LLM
-from k3ray.engine.media_inputs import media_parts
 from k3ray.engine.llm_engine import LLMEngine
+from k3ray.engine.media.inputs import media_parts, read_media
 from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.evals.target import Prompt
@@ -96,7 +96,7 @@ class EngineTarget:
             return ids, None
         if not self.engine.supports_media:
             raise ValueError(f"the prompt holds images or videos but {self.name} has no vision tower")
-        return ids, self.engine.multimodal.read_media(messages)
+        return ids, read_media(self.engine.multimodal, messages)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The ids the model sees, media placeholders expanded to their token counts (as /tokenize)."""

@@ -8,7 +8,7 @@ schema (`schema_with_placeholders`), and `splice` puts back the pattern written 
 the JSON text (`pattern_ebnf`: each character set becomes its characters that may stand raw plus
 the JSON escapes of the rest). Patterns are read with Python's `re` syntax, which is what
 `jsonschema` validates with; a character class means what both Python and ECMA-262 agree it means.
-engine/structured_output.py builds every grammar through here; pure Python (no xgrammar, no torch), so
+engine/structured/structured_output.py builds every grammar through here; pure Python (no xgrammar, no torch), so
 the cheap checks run wherever a request is validated (SamplingParams.validate).
 """
 

@@ -290,8 +290,8 @@ def test_the_circle_check_sees_lazy_imports_and_names_a_package_loads_on_first_u
     checkpoints: no module imports itself back, the parts do."""
     sources = {
         "k3ray.sampling_params": ("def validate():\n    from k3ray.engine.strict_json import checked_schema\n", False),
-        "k3ray.engine": ("from k3ray.engine.structured_output import compile\n", True),
-        "k3ray.engine.structured_output": ("from k3ray.sampling_params import SamplingParams\n", False),
+        "k3ray.engine": ("from k3ray.engine.structured.structured_output import compile\n", True),
+        "k3ray.engine.structured.structured_output": ("from k3ray.sampling_params import SamplingParams\n", False),
         "k3ray.engine.strict_json": ("import re\n", False),
     }
     assert import_graph(sources)["k3ray.sampling_params"] == {"k3ray.engine", "k3ray.engine.strict_json"}

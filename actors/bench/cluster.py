@@ -51,7 +51,7 @@ def _decode_args(batch: int, step: int, prompt: int):
     # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
-    from k3ray.engine.plan import BatchPlan
+    from k3ray.engine.execution.plan import BatchPlan
 
     tables = torch.arange(batch * 8).view(batch, 8)
     return BatchPlan(torch.randint(0, 256, (batch,)), torch.arange(batch + 1), torch.full((batch,), prompt + step + 1),
@@ -62,7 +62,7 @@ def _prefill_args(batch: int, prompt: int):
     # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
-    from k3ray.engine.plan import BatchPlan
+    from k3ray.engine.execution.plan import BatchPlan
 
     tables = torch.arange(batch * 8).view(batch, 8)
     return BatchPlan(torch.randint(0, 256, (batch * prompt,)), torch.arange(batch + 1) * prompt,

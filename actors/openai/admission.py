@@ -2,7 +2,7 @@
 about the wait, and the reason) when the prompt tokens ahead of it in its lane, or the wait they
 predict, pass the bounds. Prompts longer than the engine's long_prefill_token_threshold take the
 long lane: they are judged against each other only, so one long prompt never fills the queue for
-short requests (the engine gives them their share of every step; engine/scheduler.py), and a
+short requests (the engine gives them their share of every step; engine/core/scheduler.py), and a
 request that alone exceeds max_queued_tokens is taken whenever nothing waits in its lane.
 
     limits = AdmissionLimits(max_queued_tokens=65536, max_queue_wait_s=30, retry_after_s=1,

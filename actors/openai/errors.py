@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3ray.engine.errors import ModelUnavailableError
+from k3ray.engine.process.errors import ModelUnavailableError
 from k3ray.repeat_log import RepeatLog
 
 logger = logging.getLogger(__name__)

@@ -33,10 +33,10 @@ from k3ray.actors.openai.protocol import (
 from k3ray.actors.openai.choice_output import reads_output
 from k3ray.actors.openai.tools import ToolPlan, tool_calls_error_message
 from k3ray.engine.async_engine import AsyncEngine
-from k3ray.engine.engine_client import EngineClient
-from k3ray.engine.media_inputs import MediaInputError, media_parts
+from k3ray.engine.media.inputs import MediaInputError, media_parts, read_media
 from k3ray.engine.outputs import FinishTally, OutputAccumulator, RequestOutput
-from k3ray.engine.structured_output import check_grammar  # xgrammar: imported with the server, not on a request
+from k3ray.engine.process.engine_client import EngineClient
+from k3ray.engine.structured.structured_output import check_grammar  # xgrammar: imported with the server, not on a request
 from k3ray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, XtmlMessage
 from k3ray.tokenizer.chat import MEDIA_PART_KINDS, normalize_chat_role
 from k3ray.tokenizer.chat_format import output_reasons
@@ -163,7 +163,7 @@ class OpenAIServing:
         mm = self.info.multimodal
         fetch = self._fetch if mm.allow_remote_urls else None
         try:
-            return mm.read_media(dicts, fetch)
+            return read_media(mm, dicts, fetch)
         except MediaInputError as e:
             raise bad_request(str(e), e.param, "invalid_media") from e
 

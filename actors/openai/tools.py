@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from k3ray.actors.openai.errors import bad_request
 from k3ray.actors.openai.protocol import ChatCompletionRequest, NamedToolChoice
-from k3ray.engine.structured_output import check_grammar
+from k3ray.engine.structured.structured_output import check_grammar
 from k3ray.sampling_params import StructuredOutputsParams, ToolCallsFormat
 from k3ray.strict_json import renamed
 from k3ray.tokenizer import special as sp

@@ -51,10 +51,10 @@ from k3ray.actors.pipeline.vision_encoder import VisionEncoder
 from k3ray.actors.pipeline.wire import unpack
 from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
-from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
-from k3ray.engine.executor import Executor
-from k3ray.engine.handoff import CacheRecord, HandoffMismatchError, RemoteCacheRecord, local_record
-from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
+from k3ray.engine.core.cache_manager import CacheGeometry, CacheLayout
+from k3ray.engine.disagg.handoff import CacheRecord, HandoffMismatchError, RemoteCacheRecord, local_record
+from k3ray.engine.execution.executor import Executor
+from k3ray.engine.execution.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.vision import has_vision_weights
 
 logger = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from k3ray.actors.pipeline.moe_dispatch_modes import (
     MOE_DISPATCH_MODES,
 )
 from k3ray.actors.pipeline.wire import Bundle, pack, unpack
-from k3ray.engine.errors import ModelUnavailableError
-from k3ray.engine.plan import BatchPlan
+from k3ray.engine.execution.plan import BatchPlan
+from k3ray.engine.process.errors import ModelUnavailableError
 
 STAGE_TRANSPORTS = ("auto", "host", "gloo")
 # how a prefill pipeline's stages leave their part of a handoff for the decode stages (RayExecutor.read_handoff)

@@ -21,7 +21,7 @@ from k3ray.actors.pipeline.restartable import Restartable
 from k3ray.actors.pipeline.stage_records import NIXL, OBJECT_STORE, fetch_part, leave_part, own_part_on_host
 from k3ray.actors.pipeline.wire import Bundle, pack, unpack, unpack_tagged
 from k3ray.config import ModelConfig
-from k3ray.engine.handoff import CacheRecord, read_record, write_record
+from k3ray.engine.disagg.handoff import CacheRecord, read_record, write_record
 from k3ray.models.forward_batch import ModelCache
 from k3ray.models.init import build_model
 from k3ray.vision.placeholders import splice_media_embeddings

@@ -1,4 +1,4 @@
-"""A handoff's caches left at the prefill pipeline's stages (k3ray/engine/handoff.py): each stage's
+"""A handoff's caches left at the prefill pipeline's stages (k3ray/engine/disagg/handoff.py): each stage's
 part of one sequence's caches stays where that stage put it, and a decode pipeline whose stages hold
 the same layer ranges has each stage fetch its part straight from there (no replica process in
 between); any other receiver materializes the record first. If the owner dies before the parts are
@@ -25,7 +25,7 @@ import torch
 from ray.experimental.rdt import set_target_device_for_ref
 
 from k3ray.actors.pipeline.protocol import ParallelConfig
-from k3ray.engine.handoff import CacheRecord, RemoteCacheRecord
+from k3ray.engine.disagg.handoff import CacheRecord, RemoteCacheRecord
 
 NIXL = "nixl"
 OBJECT_STORE = "object-store"

@@ -41,7 +41,7 @@ from k3ray.actors.serve.replica_bundles import replica_bundles
 from k3ray.actors.serve.replica_grpc_bind import bind_replica_grpc_to
 from k3ray.actors.serve.replica_readiness import Readiness, answer_checks_with
 from k3ray.actors.serve.request_routing import PREFIXES_STAT, PrefixAffinityRequestRouter
-from k3ray.engine.engine_client import EngineClient
+from k3ray.engine.process.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation, the decode replica's side: each request's prompt runs on a prefill
 replica (K3Prefill, serve/prefill_server.py), whose handoff — the MLA latent rows this replica's
 cache lacks, the KDA / conv state after the prompt, the first token and the sampler's state
-(k3ray/engine/handoff.py) — this replica's engine imports and continues from, streaming the output.
+(k3ray/engine/disagg/handoff.py) — this replica's engine imports and continues from, streaming the output.
 It orchestrates, as Ray Serve LLM's decode server does:
 
     held = await engine.held_prefix_tokens(prompt)       # whole blocks of the prompt already cached here
@@ -43,10 +43,10 @@ from ray.serve.handle import DeploymentHandle
 from k3ray.actors.pipeline.stage_records import PartOwnerLostError
 from k3ray.actors.serve.ingress_routing import block_chain
 from k3ray.actors.serve.load_signals import TTFTWindow
-from k3ray.engine.engine_client import EngineClient
-from k3ray.engine.errors import ModelUnavailableError
-from k3ray.engine.handoff import Handoff, HandoffMismatchError, HandoffPart
+from k3ray.engine.disagg.handoff import Handoff, HandoffMismatchError, HandoffPart
 from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.process.engine_client import EngineClient
+from k3ray.engine.process.errors import ModelUnavailableError
 from k3ray.sampling_params import SamplingParams
 from k3ray.vision import ProcessedMedia
 

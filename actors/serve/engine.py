@@ -19,12 +19,13 @@ from k3ray.config import VisionConfig
 from k3ray.device import resolve_device
 from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.config import DEFAULT_CACHE_BYTES, EngineConfig, SpeculativeConfig
-from k3ray.engine.engine_client import EngineClient
-from k3ray.engine.engine_info import EngineInfo
-from k3ray.engine.executor import Executor, LocalExecutor
+from k3ray.engine.config import MultiModalConfig
+from k3ray.engine.execution.executor import Executor, LocalExecutor
 from k3ray.engine.llm_engine import LLMEngine
-from k3ray.engine.media import VisionEncoderFn, local_vision_encoder
-from k3ray.engine.media_inputs import MultiModalConfig, load_media_config
+from k3ray.engine.media.inputs import load_media_config
+from k3ray.engine.media.prompt_media import VisionEncoderFn, local_vision_encoder
+from k3ray.engine.process.engine_client import EngineClient
+from k3ray.engine.process.engine_info import EngineInfo
 from k3ray.threads import set_threads
 from k3ray.tokenizer import load_tokenizer
 from k3ray.vision import has_vision_weights, load_vision

@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from k3ray.actors.openai.protocol import ChatMessage
 from k3ray.actors.serve.replica_grpc_bind import bind_replica_grpc_to
 from k3ray.actors.serve.request_routing import HASHES_KWARG
-from k3ray.engine.block_pool import hash_block
+from k3ray.engine.core.block_pool import hash_block
 from k3ray.tokenizer import load_tokenizer
 from k3ray.tokenizer.chat import normalize_chat_role
 

@@ -1,5 +1,5 @@
 """The prefill pool of a disaggregated app: K3Prefill replicas run prompts (chunked, prefix-cache
-aware, the same engine as K3Server) and stream each one's handoff (k3ray/engine/handoff.py: the
+aware, the same engine as K3Server) and stream each one's handoff (k3ray/engine/disagg/handoff.py: the
 latent rows of each chunk as it is computed, then the rest with the state and first token) to the
 decode replica that asked (serve/disaggregation.py). No HTTP: only decode replicas call it,
 through a deployment handle routed by prefix affinity over the prompt's block hashes. It reports
@@ -24,9 +24,9 @@ from k3ray.actors.serve.config import ServeArgs
 from k3ray.actors.serve.engine import start_replica_engine
 from k3ray.actors.serve.load_signals import LoadSignals
 from k3ray.actors.serve.request_routing import PREFIXES_STAT
-from k3ray.engine.engine_client import EngineClient
-from k3ray.engine.errors import ModelUnavailableError
-from k3ray.engine.handoff import Handoff, HandoffPart
+from k3ray.engine.disagg.handoff import Handoff, HandoffPart
+from k3ray.engine.process.engine_client import EngineClient
+from k3ray.engine.process.errors import ModelUnavailableError
 from k3ray.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -80,8 +80,8 @@ def graph_decode_seconds(model, ids: torch.Tensor, bsz: int, steps: int, device:
     # lazy: torch stays out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
-    from k3ray.engine.cuda_graphs import DecodeGraphs
-    from k3ray.engine.plan import BatchPlan
+    from k3ray.engine.execution.cuda_graphs import DecodeGraphs
+    from k3ray.engine.execution.plan import BatchPlan
 
     cache, tables = _prefill(model, ids, bsz, device, room=max(256, steps + 1))
     graphs = DecodeGraphs(model, cache, bsz, tables.shape[1])

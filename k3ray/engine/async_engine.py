@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from contextlib import aclosing
 
-from k3ray.engine.engine_info import EngineInfo
-from k3ray.engine.handoff import Handoff
+from k3ray.engine.core.sequence import Request
+from k3ray.engine.disagg.handoff import Handoff
 from k3ray.engine.llm_engine import LLMEngine
 from k3ray.engine.outputs import RequestOutput, follow, latest, merge_deltas
-from k3ray.engine.sequence import Request
+from k3ray.engine.process.engine_info import EngineInfo
 from k3ray.engine.stats import EngineStats
 from k3ray.engine.step_or_abort import step_or_abort
 from k3ray.sampling_params import RequestOutputKind, SamplingParams

@@ -1,9 +1,13 @@
-"""Engine settings: batching limits, cache sizing, prefix caching and speculative decoding."""
+"""Engine settings: batching limits, cache sizing, prefix caching, speculative decoding and media."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from k3ray.vision import MediaConfig
 
 DEFAULT_CACHE_BYTES = 256 * 1024**2
 
@@ -133,3 +137,26 @@ class EngineConfig:
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    """How an engine takes media: preprocessing (None: the tower's defaults), how many items one
+    prompt may hold, whether a server may fetch http(s) media URLs, and the folder file:// media URLs
+    may be read from (None: none may)."""
+
+    media: MediaConfig | None = None
+    max_items_per_prompt: int = 128
+    allow_remote_urls: bool = False
+    fetch_timeout_s: float = 10.0
+    allowed_local_media_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_items_per_prompt, bool) or not isinstance(self.max_items_per_prompt, int) \
+                or self.max_items_per_prompt < 1:
+            raise ValueError(f"max_items_per_prompt must be a positive int, got {self.max_items_per_prompt!r}")
+        if not self.fetch_timeout_s > 0:
+            raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s!r}")
+        root = self.allowed_local_media_path
+        if root is not None and not (isinstance(root, str) and os.path.isabs(root) and os.path.isdir(root)):
+            raise ValueError(f"allowed_local_media_path must be an absolute path to a folder, got {root!r}")

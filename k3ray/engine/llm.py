@@ -24,15 +24,15 @@ import torch
 
 from k3ray.default_model import checkpoint_dir
 from k3ray.device import DeviceLike, resolve_device
-from k3ray.engine.config import EngineConfig, SpeculativeConfig
-from k3ray.engine.executor import LocalExecutor
+from k3ray.engine.config import EngineConfig, MultiModalConfig, SpeculativeConfig
+from k3ray.engine.execution.executor import LocalExecutor
 from k3ray.engine.llm_engine import LLMEngine
-from k3ray.engine.media import VisionEncoderFn, local_vision_encoder
-from k3ray.engine.media_inputs import (
-    MultiModalConfig,
+from k3ray.engine.media.prompt_media import VisionEncoderFn, local_vision_encoder
+from k3ray.engine.media.inputs import (
     load_media_config,
     media_from_multi_modal_data,
     media_parts,
+    read_media,
 )
 from k3ray.engine.outputs import RequestOutput
 from k3ray.engine.stats import EngineStats
@@ -115,7 +115,7 @@ class LLM:
         """One conversation (a list of OpenAI-style messages) or a list of them, through the
         checkpoint's chat format (chat_template_kwargs: K3's `thinking` / `thinking_effort`, or what a
         Jinja template reads); image_url / video_url parts carry base64 data: URLs (see
-        k3ray.engine.media_inputs). The text is the model's raw output, channels and all."""
+        k3ray.engine.media.inputs). The text is the model's raw output, channels and all."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; give the LLM one")
         options = options_from_kwargs(chat_template_kwargs, any_kwargs=self.tokenizer.chat_format == JINJA)
@@ -127,7 +127,7 @@ class LLM:
             media = None
             if media_parts(conversation):
                 self._media_config()  # a model without a vision tower refuses media by name
-                media = self.engine.multimodal.read_media(conversation)
+                media = read_media(self.engine.multimodal, conversation)
             inputs.append((ids, media))
         return self._run(inputs, sampling_params)
 

@@ -8,36 +8,32 @@
 
 from __future__ import annotations
 
-import hashlib
-import operator
 import random
 import time
-import weakref
-from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
 import torch
 
-from k3ray.engine.cache_manager import CacheManager, cache_bytes_for, size_cache
-from k3ray.engine.config import EngineConfig
-from k3ray.engine.executor import Executor
-from k3ray.engine.grammar_compiler import GrammarCompiler, GrammarLimits
-from k3ray.engine.handoff import Handoff, HandoffMismatchError, HandoffPart, latent_rows
-from k3ray.engine.logits_processors import process_logits
-from k3ray.engine.media import PromptMedia, VisionEncoderFn, attach_media, encode_pending
-from k3ray.engine.media_inputs import MultiModalConfig
+from k3ray.engine.config import EngineConfig, MultiModalConfig
+from k3ray.engine.config import MultiModalConfig
+from k3ray.engine.core.cache_manager import CacheManager, cache_bytes_for, size_cache
+from k3ray.engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from k3ray.engine.core.sequence import Request, Sequence
+from k3ray.engine.disagg.handoff import Handoff
+from k3ray.engine.disagg.transfer import HandoffTransfer, check_handoff
+from k3ray.engine.execution.executor import Executor
+from k3ray.engine.input_processor import InputProcessor
+from k3ray.engine.media.prompt_media import PromptMedia, VisionEncoderFn, encode_pending
 from k3ray.engine.output_processor import OutputProcessor
 from k3ray.engine.outputs import RequestOutput
-from k3ray.engine.sampler import logprob_entries, sample
-from k3ray.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from k3ray.engine.sequence import Request, Sequence
-from k3ray.engine.spec import NgramProposer, verify
+from k3ray.engine.sample.sampler import logprob_entries, sample, sequence_generator
+from k3ray.engine.sample.spec import NgramProposer, verify
 from k3ray.engine.stats import EngineStats, StatsCollector
-from k3ray.sampling_params import RequestOutputKind, SamplingParams
+from k3ray.engine.structured.logits_processors import process_logits
+from k3ray.engine.structured.manager import StructuredOutputManager
+from k3ray.sampling_params import SamplingParams
 from k3ray.vision import MediaConfig, ProcessedMedia
-
-GRAMMAR_WAIT_S = 0.02  # a step with nothing to run but requests waiting for grammars waits this long for a compile
 
 
 class LLMEngine:
@@ -89,10 +85,8 @@ class LLMEngine:
         self.reserve_tokens = reserve_blocks * geometry.block_size
         eos = {self.model_config.eos_token_id} | set(getattr(tokenizer, "stop_token_ids", ()))
         self.output_processor = OutputProcessor(frozenset(eos), max_model_len, tokenizer)
-        self._grammars = None  # GrammarCompiler, started by the first constrained request
-        self._close_grammars = None
-        self._structured_outputs = None  # its StructuredOutputs (matchers, masks), once a grammar is compiled
-        self._awaiting_grammar: dict[str, Request] = {}  # queued in the engine, not yet in the scheduler
+        self.structured = StructuredOutputManager(tokenizer, self.vocab_size, self.output_processor.eos_token_ids,
+                                                  config)
         self._failed: list[tuple[str, Exception]] = []
         self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec and spec.method == "ngram" else None
         self.vision_encoder = vision_encoder
@@ -100,13 +94,15 @@ class LLMEngine:
         if vision_encoder is not None and multimodal.media is None:
             multimodal = replace(multimodal, media=MediaConfig.for_vision(self.model_config.vision))
         self.multimodal = multimodal
+        self.inputs = InputProcessor(self.model_config, tokenizer, max_model_len, config.max_schema_bytes,
+                                     vision_encoder, multimodal)
         self.requests: dict[str, Request] = {}
         self.stats = StatsCollector()
+        self.handoffs = HandoffTransfer(self.scheduler, self.cache, executor, self.output_processor, self.stats)
         self._busy_since: float | None = None  # the last step's end, while requests remained
         self._stepped_at = 0.0  # when the last step began: the requests queued by then are in get_stats()
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
-        self._imports: deque[Request] = deque()  # handed-off requests waiting for room in the caches
         self._held_queries = 0
 
     # requests ---------------------------------------------------------------------------------
@@ -136,14 +132,14 @@ class LLMEngine:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
         if request.grammar is not None:
-            self._awaiting_grammar[request.request_id] = request
+            self.structured.hold(request)
             return
         self._schedule(request)
 
     def _schedule(self, request: Request) -> None:
         """Its sequences to the scheduler, or a handed-off one to wait for its import."""
         if request.handoff_in is not None:
-            self._imports.append(request)
+            self.handoffs.waiting.append(request)
             return
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -171,55 +167,25 @@ class LLMEngine:
         them here (a Ray pipeline's stay at its stages until the end), and the final Handoff the rest;
         with `handoff` (parts joined), the request starts from one, at its second token."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        text, ids = self.tokenize(prompt, allow_special=bool(media))
-        prompt_media = None
-        if media:
-            ids, prompt_media = self._attach_media(ids, media)
-        if len(ids) > self.max_model_len:  # a full-length prompt still yields one token (as in vLLM)
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
-            )
-        params.validate(self.vocab_size, self.max_model_len, self.config.max_schema_bytes)
-        request = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                          prompt_media)
+        prompt = self.inputs.process(prompt, params, media)
+        # one sampler and one detokenizer per sequence (n / best_of)
+        generators = [sequence_generator(self._rng, params.seed, i) for i in range(params.num_sequences)]
+        detoks = [self.output_processor.new_detokenizer(params.skip_special_tokens) for _ in generators]
+        request = Request(request_id, prompt.text, prompt.token_ids, params,
+                          time.monotonic() if arrival_time is None else arrival_time, prompt.media)
+        request.seqs = [Sequence(self._next_seq_id + i, request, i, generator, detok)
+                        for i, (generator, detok) in enumerate(zip(generators, detoks))]
         if export_from is not None or handoff is not None or export_parts:
-            self._check_handoff(request, export_from, export_parts, handoff)
+            check_handoff(request, self.cache.block_size, export_from, export_parts, handoff)
             request.export_from, request.handoff_in = export_from, handoff
             request.export_parts = export_parts and self.executor.reads_handoff_here
             request.rows_sent = export_from
         if params.structured_outputs is not None:
-            request.grammar = self._compile(params.structured_outputs)
-        for i in range(params.num_sequences):
-            detok = self.output_processor.new_detokenizer(params.skip_special_tokens)
-            seq = Sequence(self._next_seq_id, request, i, self._generator(params.seed, i), detok)
-            request.seqs.append(seq)
-            self._next_seq_id += 1
+            request.grammar = self.structured.compile(params.structured_outputs)
+        self._next_seq_id += len(request.seqs)
         return request
-
-    def _check_handoff(self, request: Request, export_from: int | None, export_parts: bool,
-                       handoff: Handoff | None) -> None:
-        if export_from is not None and handoff is not None:
-            raise ValueError("a request either hands off its prefill (export_from) or continues one (handoff)")
-        if export_parts and (export_from is None or request.params.output_kind is not RequestOutputKind.DELTA):
-            raise ValueError("export_parts needs export_from and DELTA outputs (each output carries the parts new "
-                             "since the previous one)")
-        if handoff is not None and handoff.latent_from != handoff.start:
-            raise HandoffMismatchError(f"the handoff of {handoff.request_id!r} carries rows from {handoff.latent_from}, "
-                                       f"not from {handoff.start}: join the parts sent before it first")
-        if request.params.num_sequences != 1:
-            raise ValueError(f"disaggregated prefill runs one sequence a request; this one asks "
-                             f"{request.params.num_sequences} (n / best_of)")
-        n, bs = len(request.prompt_token_ids), self.cache.block_size
-        if export_from is not None and not (0 <= export_from < n and export_from % bs == 0):
-            raise ValueError(f"export_from={export_from} must be a multiple of block_size={bs} below the prompt's "
-                             f"{n} tokens")
-        if handoff is not None and handoff.prompt_token_ids != request.prompt_token_ids:
-            raise HandoffMismatchError(f"the handoff of request {handoff.request_id!r} is for another prompt "
-                                       f"({handoff.num_prompt_tokens} tokens; this one has {n})")
 
     def held_prefix_tokens(self, prompt: str | Seq[int], media: Seq[ProcessedMedia] | None = None) -> int:
         """How many of the prompt's first tokens this engine's prefix cache holds as whole blocks (at most
@@ -236,103 +202,24 @@ class LLMEngine:
             held += self.cache.block_size
         return held
 
-    def _compile(self, structured_outputs):
-        """Start compiling a request's grammar (a GrammarJob); a schema known to fail raises now."""
-        if self.tokenizer is None:
-            raise ValueError("structured outputs need the engine's tokenizer")
-        job = self.grammars.compile(structured_outputs)
-        if job.done and job.error is not None:
-            self.grammars.release(job)
-            raise job.error
-        return job
-
-    @property
-    def grammars(self):
-        """The grammar compiler over this engine's vocabulary (its workers and compiled-grammar cache),
-        started by the first constrained request."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.output_processor.eos_token_ids,
-                                             GrammarLimits.of(self.config))
-            self._close_grammars = weakref.finalize(self, self._grammars.close)
-        return self._grammars
-
     def prepare_structured_outputs(self) -> None:
         """Load xgrammar and this vocabulary as it sees it (seconds), as a server does at start: on the
         first constrained request that load would otherwise share the GIL with the steps of others."""
-        if self.tokenizer is not None:
-            self.grammars.load()
+        self.structured.prepare()
 
     def close(self) -> None:
         """Stop the grammar workers (the engine's only processes of its own); requests waiting for a
         grammar fail, and a later constrained request starts new workers."""
-        if self._close_grammars is not None:
-            self._close_grammars()
-            self._grammars = self._close_grammars = None
-
-    def _admit_grammars(self) -> None:
-        """Requests whose grammar is compiled go to the scheduler; those whose compile failed end."""
-        for request_id, request in list(self._awaiting_grammar.items()):
-            job = request.grammar
-            if not job.done:
-                continue
-            del self._awaiting_grammar[request_id]
-            self.grammars.release(job)
-            if job.error is not None:
-                del self.requests[request_id]
-                request.metrics.finished_time = time.monotonic()
-                self._failed.append((request_id, job.error))
-                continue
-            self._structured_outputs = self.grammars.outputs
-            for seq in request.seqs:
-                seq.grammar = self._structured_outputs.new_state(
-                    job.compiled, request.params.stop_token_ids,
-                    strict=not request.params.structured_outputs.free_text)
-            self._schedule(request)
-
-    def _attach_media(self, ids: list[int], media: Seq[ProcessedMedia]) -> tuple[list[int], PromptMedia]:
-        if self.vision_encoder is None:
-            raise ValueError("this engine has no vision encoder (the checkpoint has no vision tower, or none was "
-                             "given), so it cannot take images or videos")
-        if len(media) > self.multimodal.max_items_per_prompt:
-            raise ValueError(f"the prompt has {len(media)} media items; at most "
-                             f"{self.multimodal.max_items_per_prompt} are allowed")
-        return attach_media(ids, self.model_config.media_placeholder_token_id, list(media), self.model_config.vision)
-
-    def tokenize(self, prompt: str | Seq[int], allow_special: bool = False) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
-            ids = self.tokenizer.encode(prompt, allow_special=allow_special)
-            text = prompt
-        else:
-            try:
-                ids = [operator.index(t) for t in prompt]
-            except TypeError:
-                raise ValueError("a prompt must be a str or a sequence of int token ids") from None
-            text = None
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return text, ids
-
-    def _generator(self, seed: int | None, index: int) -> torch.Generator:
-        if seed is None:
-            seed = self._rng.getrandbits(63)
-        elif index:
-            seed = int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest(), "little") >> 1
-        return torch.Generator().manual_seed(seed)
+        self.structured.close()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its caches; its final output (finish_reason 'abort'), or None."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if self._awaiting_grammar.pop(request_id, None) is not None:
-            self.grammars.release(request.grammar)
-        if request in self._imports:
-            self._imports.remove(request)
+        self.structured.drop(request_id)
+        if request in self.handoffs.waiting:
+            self.handoffs.waiting.remove(request)
         for seq in request.seqs:
             if not seq.finished:
                 self.scheduler.free(seq)
@@ -359,8 +246,8 @@ class LLMEngine:
         if not out.seqs:
             # the oldest running sequence can always preempt the rest, so work means progress
             assert not self.scheduler.has_work(), "the scheduler made no progress"
-            if self._awaiting_grammar and not touched:  # only grammars to wait for: wait a moment, not spin
-                self.grammars.wait(GRAMMAR_WAIT_S)
+            if self.structured.awaiting and not touched:  # only grammars to wait for: wait a moment, not spin
+                self.structured.wait()
             self._busy_since = None  # nothing to compute: waiting here is idle time for the rates
             return self._outputs_of(touched)
         try:
@@ -369,7 +256,7 @@ class LLMEngine:
             plan = self.scheduler.make_plan(out)
             logits = self.executor.execute(plan)
             processed = self._process(out, logits)
-            parted = self._export_handoffs(out)
+            parted = self.handoffs.export(out)
         except BaseException:
             self.scheduler.fail(out)
             raise
@@ -384,80 +271,26 @@ class LLMEngine:
         self._busy_since = ended if self.requests else None
         return outputs
 
-    # prefill/decode disaggregation ------------------------------------------------------------
+    # grammars and handoffs that became ready -------------------------------------------------------
+    def _admit_grammars(self) -> None:
+        """Requests whose grammar is compiled go to the scheduler; those whose compile failed end."""
+        ready, failed = self.structured.admit()
+        self._fail(failed)
+        for request in ready:
+            self._schedule(request)
+
     def _import_handoffs(self) -> dict[str, Request]:
-        """Write the waiting handoffs that fit into the caches, oldest first; their first tokens go out
-        now. A handoff that cannot be written (its prefix evicted here since it was asked, a layout
-        that does not match) fails its request (take_failed) -> the requests imported."""
-        imported: dict[str, Request] = {}
-        while self._imports:
-            request = self._imports[0]
-            seq, handoff = request.seqs[0], request.handoff_in
-            try:
-                if not self.scheduler.admit_handoff(seq, handoff.start):
-                    break
-                rows = latent_rows(seq.block_table, handoff.start, seq.prompt_len, self.cache.block_size)
-                self.executor.write_handoff(handoff.unpack().records, seq.state_slot, rows)
-            except Exception as e:  # noqa: BLE001 - this request fails (a mismatch: its sender retries), the rest go on
-                self._imports.popleft()
-                self.scheduler.free(seq)
-                del self.requests[request.request_id]
-                request.metrics.finished_time = time.monotonic()
-                self._failed.append((request.request_id, e))
-                continue
-            self._imports.popleft()
-            request.handoff_in = None
-            self.cache.register_blocks(seq)
-            self._continue_from(seq, handoff)
-            imported[request.request_id] = request
-        return imported
+        """The waiting handoffs that fit, written into the caches -> the requests imported (their first
+        tokens go out this step)."""
+        imported, failed = self.handoffs.import_waiting()
+        self._fail(failed)
+        return {request.request_id: request for request in imported}
 
-    def _continue_from(self, seq: Sequence, handoff: Handoff) -> None:
-        """Take the prefill side's first token as if sampled here: its sampler state, then the same
-        append path (stop checks, detokenizer, grammar) as a token sampled here."""
-        request = seq.request
-        if handoff.generator_state is not None:
-            seq.generator.set_state(handoff.generator_state)
-        if request.prompt_logprobs is not None and handoff.prompt_logprobs is not None:
-            request.prompt_logprobs = list(handoff.prompt_logprobs)
-        if seq.grammar is not None:
-            seq.grammar.accept(handoff.first_token)
-        self.stats.generation_tokens += 1
-        if self.output_processor.append(seq, handoff.first_token, handoff.first_logprobs):
-            self.scheduler.free(seq)
-
-    def _export_handoffs(self, out: SchedulerOutput) -> set[Request]:
-        """Prefill-only sequences that sampled their first token this step end with their handoff;
-        those exporting parts whose chunk computed rows this step send them -> the requests that did."""
-        parted = set()
-        for sc in out.seqs:
-            seq, request = sc.seq, sc.seq.request
-            if request.export_from is None:
-                continue
-            if not sc.num_new_tokens:
-                if request.export_parts and sc.end > request.rows_sent:
-                    rows = latent_rows(seq.block_table, request.rows_sent, sc.end, self.cache.block_size)
-                    request.handoff_parts_out.append(HandoffPart(
-                        request.request_id, request.rows_sent, sc.end, self.executor.read_handoff(seq.state_slot, rows)))
-                    request.rows_sent = sc.end
-                    parted.add(request)
-                continue
-            rows = latent_rows(seq.block_table, request.rows_sent, seq.prompt_len, self.cache.block_size)
-            request.handoff_out = Handoff(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                start=request.export_from,
-                records=self.executor.read_handoff(seq.state_slot, rows),
-                first_token=seq.token_ids[seq.prompt_len],
-                first_logprobs=seq.output_logprobs[0] if seq.output_logprobs else None,
-                generator_state=seq.generator.get_state() if seq.generator is not None else None,
-                prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
-                prefill_seconds=time.monotonic() - request.metrics.arrival_time,
-                rows_from=None if request.rows_sent == request.export_from else request.rows_sent,
-            )
-            if not seq.finished:
-                self.output_processor.hand_off(seq)
-        return parted
+    def _fail(self, failed: list[tuple[Request, Exception]]) -> None:
+        for request, error in failed:
+            del self.requests[request.request_id]
+            request.metrics.finished_time = time.monotonic()
+            self._failed.append((request.request_id, error))
 
     def _observe_rates(self, out: SchedulerOutput, seconds: float) -> None:
         """This step's prefill tokens of each lane and its decode tokens, for the measured rates."""
@@ -533,8 +366,7 @@ class LLMEngine:
             return rows
         rows = process_logits(rows, [seq.params for seq in seqs], [seq.token_ids for seq in seqs],
                               [seq.prompt_len for seq in seqs])
-        if any(seq.grammar is not None for seq in seqs):
-            self._structured_outputs.mask(rows, [seq.grammar for seq in seqs])
+        self.structured.mask(rows, seqs)
         return rows
 
     def _append(self, sc: ScheduledSeq, logits: torch.Tensor, tokens: list[int]) -> None:
@@ -585,7 +417,8 @@ class LLMEngine:
         backlog = s.backlog()
         return self.stats.snapshot(
             num_running=len(s.running),
-            num_waiting=len(s.waiting) + sum(len(r.seqs) for r in (*self._awaiting_grammar.values(), *self._imports)),
+            num_waiting=len(s.waiting) + sum(len(r.seqs) for r in (*self.structured.awaiting.values(),
+                                                                   *self.handoffs.waiting)),
             num_preemptions=s.num_preemptions,
             cache=self.cache.usage(),
             prefix_cache_queries=self.cache.prefix_queries,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
+from k3ray.engine.core.sequence import Sequence, SequenceStatus
 from k3ray.engine.outputs import PositionLogprobs
-from k3ray.engine.sequence import Sequence, SequenceStatus
 from k3ray.tokenizer import IncrementalDetokenizer, stop_prefix_len, truncate_at_stop
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from k3ray.engine.handoff import Handoff, HandoffPart
+    from k3ray.engine.disagg.handoff import Handoff, HandoffPart
 
 
 @dataclass(frozen=True)

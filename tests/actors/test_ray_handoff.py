@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
-from k3ray.engine.handoff import HandoffMismatchError
+from k3ray.engine.disagg.handoff import HandoffMismatchError
 from k3ray.sampling_params import RequestOutputKind
 from k3ray.testing import finish_request
 from k3ray.weights import load_model

@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
-from k3ray.engine.media import local_vision_encoder
-from k3ray.engine.media_inputs import media_from_messages
+from k3ray.engine.media.inputs import media_from_messages
+from k3ray.engine.media.prompt_media import local_vision_encoder
 from k3ray.tokenizer import load_tokenizer
 from k3ray.vision import load_vision
 from k3ray.weights import load_model

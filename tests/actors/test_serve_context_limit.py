@@ -8,7 +8,7 @@ import pytest
 from k3ray.actors.serve.config import ServeArgs
 from k3ray.actors.serve.engine import build_engine, context_limit_note
 from k3ray.default_model import checkpoint_dir
-from k3ray.engine.engine_info import EngineInfo
+from k3ray.engine.process.engine_info import EngineInfo
 
 POSITIONS = 1_048_576  # the tiny checkpoints' max_position_embeddings, as K3's
 

@@ -135,7 +135,7 @@ def replicas(deployment: str) -> list[psutil.Process]:
 
 def engine_of(replica: psutil.Process) -> psutil.Process | None:
     try:
-        engines = [c for c in replica.children() if "k3ray.engine.engine_core_proc" in " ".join(c.cmdline())]
+        engines = [c for c in replica.children() if "k3ray.engine.process.engine_core_proc" in " ".join(c.cmdline())]
     except psutil.Error:
         return None
     return engines[0] if engines else None

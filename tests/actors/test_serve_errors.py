@@ -343,7 +343,7 @@ def test_a_dead_engine_process_fails_health_then_serve_replaces_the_replica(serv
 
     def engine_processes() -> list[psutil.Process]:
         return [child for replica in k3server_replicas() for child in replica.children()
-                if "k3ray.engine.engine_core_proc" in " ".join(child.cmdline())]
+                if "k3ray.engine.process.engine_core_proc" in " ".join(child.cmdline())]
 
     (victim,) = engine_processes()
     victim.kill()

@@ -350,7 +350,7 @@ def test_json_object_mode_holds_against_a_logit_bias(client):
 
 
 def test_penalties_and_logit_bias_follow_the_processed_logits(client, k3):
-    from k3ray.engine.logits_processors import process_logits
+    from k3ray.engine.structured.logits_processors import process_logits
     from k3ray.sampling_params import SamplingParams
 
     prompt, n = "The Ray cluster", 6

@@ -31,7 +31,7 @@ from k3ray.actors.openai.protocol import MAX_SEQUENCES_PER_REQUEST, CompletionRe
 from k3ray.actors.openai.responses_convert import chat_request
 from k3ray.actors.openai.responses_protocol import ResponsesRequest
 from k3ray.actors.openai.tools import NO_PARAMETERS
-from k3ray.engine.structured_output import check_grammar
+from k3ray.engine.structured.structured_output import check_grammar
 from k3ray.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.timeout(900)

@@ -17,8 +17,8 @@ from k3ray.actors.openai.serving import OpenAIServing
 from k3ray.actors.serve.config import ServeArgs
 from k3ray.actors.serve.engine import local_engine
 from k3ray.engine import AsyncEngine
-from k3ray.engine import engine_client as engine_client_module
-from k3ray.engine.engine_client import EngineClient
+from k3ray.engine.process import engine_client as engine_client_module
+from k3ray.engine.process.engine_client import EngineClient
 from k3ray.tokenizer import load_tokenizer
 
 STREAM_TOKENS = 4096

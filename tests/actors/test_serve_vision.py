@@ -229,8 +229,8 @@ def test_remote_media_urls_when_the_engine_allows_them(k2_tiny_checkpoint):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from k3ray.engine.media import local_vision_encoder
-    from k3ray.engine.media_inputs import MultiModalConfig
+    from k3ray.engine.media.prompt_media import local_vision_encoder
+    from k3ray.engine.config import MultiModalConfig
     from k3ray.vision import MediaConfig, load_vision
 
     image = png(picture(4))

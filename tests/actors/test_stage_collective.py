@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from k3ray.engine.plan import BatchPlan
+from k3ray.engine.execution.plan import BatchPlan
 from k3ray.models.forward_batch import ModelCache
 from k3ray.weights import load_model
 

@@ -10,7 +10,7 @@ import torch
 from k3ray.actors.pipeline import wire
 from k3ray.actors.pipeline.protocol import WirePlan
 from k3ray.actors.pipeline.wire import pack, pack_raw, unpack, unpack_raw, unpack_tagged
-from k3ray.engine.plan import BatchPlan
+from k3ray.engine.execution.plan import BatchPlan
 
 ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
 

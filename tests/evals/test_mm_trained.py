@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import k3ray.engine.executor as executor_module
+import k3ray.engine.execution.executor as executor_module
 import k3ray.engine.llm as llm_module
 import k3ray.engine.llm_engine as llm_engine_module
-import k3ray.engine.media_inputs as media_inputs_module
+import k3ray.engine.media.inputs as media_inputs_module
 import k3ray.vision.model as vision_model_module
 from k3ray.api import K3
 from k3ray.checkpoints import shipped_checkpoint_dir
 from k3ray.engine import LLM
-from k3ray.engine.media_inputs import load_media_config
+from k3ray.engine.media.inputs import load_media_config
 from k3ray.evals.engine_target import EngineTarget
 from k3ray.evals.tasks import Cell, get_task, images, multimodal
 from k3ray.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ Skipped without CUDA."""
 import pytest
 import torch
 
-from k3ray.engine.logits_processors import process_logits
+from k3ray.engine.structured.logits_processors import process_logits
 from k3ray.sampling_params import SamplingParams, StructuredOutputsParams
 from k3ray.tokenizer import ByteTokenizer
 
@@ -26,7 +26,7 @@ def test_bias_and_penalties_on_cuda_equal_the_cpu():
 
 def test_grammar_mask_on_cuda_equals_the_cpu():
     pytest.importorskip("xgrammar")
-    from k3ray.engine.structured_output import StructuredOutputs, encoded_vocab
+    from k3ray.engine.structured.structured_output import StructuredOutputs, encoded_vocab
 
     tok = ByteTokenizer(512)
     grammars = StructuredOutputs(encoded_vocab(tok, 512), tok.stop_token_ids)

@@ -11,9 +11,9 @@ from k3ray.config import preset
 from k3ray.device import resolve_device, to_device
 from k3ray.engine import LLM, SamplingParams
 from k3ray.engine.config import EngineConfig
-from k3ray.engine.cuda_graphs import DecodeInputs, decode_batch_sizes
-from k3ray.engine.plan import BatchPlan
-from k3ray.engine.sampler import logprob_entries, sample_tokens
+from k3ray.engine.execution.cuda_graphs import DecodeInputs, decode_batch_sizes
+from k3ray.engine.execution.plan import BatchPlan
+from k3ray.engine.sample.sampler import logprob_entries, sample_tokens
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.init import build_model
 from k3ray.vision import encode_media, load_vision

@@ -14,9 +14,9 @@ import pytest
 from k3ray.actors.serve.config import ServeArgs
 from k3ray.actors.serve.engine import local_engine
 from k3ray.engine import AsyncEngine, SamplingParams
-from k3ray.engine.engine_client import EngineClient
-from k3ray.engine.engine_core_proc import WirePrompts
 from k3ray.engine.outputs import OutputAccumulator
+from k3ray.engine.process.engine_client import EngineClient
+from k3ray.engine.process.engine_core_proc import WirePrompts
 from k3ray.sampling_params import RequestOutputKind
 
 GREEDY_STOP_PROMPT = "stop here"
@@ -250,7 +250,7 @@ def test_shutdown_stops_the_process(args):
 def test_handoff_parts_sent_ahead_are_joined_in_the_engine_process(client, args, k2_tiny_checkpoint):
     """Parts go to the engine process as they come and wait there for their import; dropped ones are
     gone (the import then lacks rows: a HandoffMismatchError, which makes the sender prefill again)."""
-    from k3ray.engine.handoff import HandoffMismatchError
+    from k3ray.engine.disagg.handoff import HandoffMismatchError
 
     engine = {"max_model_len": 256, "cache_memory_mb": 8, "threads": 1, "max_num_batched_tokens": 32}
     prefill = local_engine(ServeArgs.model_validate({"model": {"model": k2_tiny_checkpoint}, "engine": engine}).resolved())

@@ -11,9 +11,9 @@ import torch
 
 from k3ray.config import preset
 from k3ray.engine import LLMEngine, LocalExecutor, SamplingParams
-from k3ray.engine.cache_manager import block_bytes, state_slot_bytes
 from k3ray.engine.config import EngineConfig, SpeculativeConfig
-from k3ray.engine.handoff import HandoffMismatchError
+from k3ray.engine.core.cache_manager import block_bytes, state_slot_bytes
+from k3ray.engine.disagg.handoff import HandoffMismatchError
 from k3ray.models.init import build_model
 from k3ray.sampling_params import RequestOutputKind
 from k3ray.testing import finish_request
@@ -66,7 +66,7 @@ def assert_nothing_held(e):
     assert not e.has_unfinished_requests()
     assert e.cache.states.num_live == 0
     assert sum(e.cache.blocks.ref) == 0
-    assert not e._imports
+    assert not e.handoffs.waiting
 
 
 def test_disaggregated_greedy_equals_one_engine(model):
@@ -169,7 +169,7 @@ def test_a_handoff_waits_for_room_and_can_be_aborted_while_it_waits(model):
     handoff = prefill(p, "w", prompt, GREEDY, 0)
     d.add_request("w", prompt, GREEDY, handoff=handoff)
     d.step()
-    assert d._imports  # no sequence slot free: it waits, counted as waiting (the decode pool scales on it)
+    assert d.handoffs.waiting  # no sequence slot free: it waits, counted as waiting (the decode pool scales on it)
     assert d.get_stats().num_waiting == 1
     final = d.abort_request("w")
     assert final.outputs[0].finish_reason == "abort"

@@ -12,8 +12,8 @@ from PIL import Image
 
 from k3ray.config import preset
 from k3ray.engine import LLM, EngineConfig, LLMEngine, LocalExecutor, SamplingParams, SpeculativeConfig
-from k3ray.engine.media import local_vision_encoder
-from k3ray.engine.media_inputs import MediaInputError
+from k3ray.engine.media.inputs import MediaInputError
+from k3ray.engine.media.prompt_media import local_vision_encoder
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.init import build_model
 from k3ray.tokenizer import ByteTokenizer

@@ -9,7 +9,7 @@ import psutil
 
 PARENT = """
 import functools, threading, time
-from k3ray.engine.engine_client import EngineClient
+from k3ray.engine.process.engine_client import EngineClient
 # the factory sleeps: the engine process is busy 'building', never reading its socket
 threading.Thread(target=EngineClient.start, args=(functools.partial(time.sleep, 600),), daemon=True).start()
 time.sleep(600)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from k3ray.engine.sampler import draw, logprob_entries, sample, sampling_probs
+from k3ray.engine.sample.sampler import draw, logprob_entries, sample, sampling_probs
 from k3ray.sampling_params import SamplingParams
 
 

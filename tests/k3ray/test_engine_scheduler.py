@@ -10,8 +10,8 @@ from k3ray.api import K3
 from k3ray.config import preset
 from k3ray.engine import LLM, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.engine.config import EngineConfig
+from k3ray.engine.execution.plan import pad_block_tables
 from k3ray.engine.outputs import OutputAccumulator
-from k3ray.engine.plan import pad_block_tables
 from k3ray.models.init import build_model
 from k3ray.sampling_params import RequestOutputKind
 

@@ -7,7 +7,7 @@ import torch
 
 from k3ray.config import preset
 from k3ray.engine import LLM, SamplingParams, SpeculativeConfig
-from k3ray.engine.spec import lookup, verify
+from k3ray.engine.sample.spec import lookup, verify
 from k3ray.models.init import build_model
 
 MICRO = preset("k3-micro")

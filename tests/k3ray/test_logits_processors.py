@@ -7,7 +7,7 @@ import torch
 
 from k3ray.api import K3
 from k3ray.engine import SamplingParams
-from k3ray.engine.logits_processors import apply_penalties, process_logits, token_counts
+from k3ray.engine.structured.logits_processors import apply_penalties, process_logits, token_counts
 
 PENALTIES = dict(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.7)
 

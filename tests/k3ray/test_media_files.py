@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 
 from k3ray.engine import LLM, SamplingParams
-from k3ray.engine.media_inputs import MediaInputError, MultiModalConfig, media_from_messages
+from k3ray.engine.config import MultiModalConfig
+from k3ray.engine.media.inputs import MediaInputError, media_from_messages
 from k3ray.evals.tasks import images
 from k3ray.vision import MediaConfig
 

@@ -1,6 +1,6 @@
 """StatePool's snapshot eviction: segmented LRU, snapshots a hit resumed from outlasting unused ones."""
 
-from k3ray.engine.state_pool import StatePool
+from k3ray.engine.core.state_pool import StatePool
 
 
 def snapshot(pool, key):

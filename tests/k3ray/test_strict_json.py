@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3ray.engine import LLM, SamplingParams, StructuredOutputsParams
-from k3ray.engine.structured_output import StructuredOutputs, encoded_vocab
+from k3ray.engine.structured.structured_output import StructuredOutputs, encoded_vocab
 from k3ray.strict_json import checked_schema
 from k3ray.tokenizer import ByteTokenizer
 

@@ -11,7 +11,7 @@ import torch
 
 from k3ray.engine import LLM, AsyncEngine, EngineConfig, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.engine.config import SpeculativeConfig
-from k3ray.engine.structured_output import StructuredOutputs, encoded_vocab
+from k3ray.engine.structured.structured_output import StructuredOutputs, encoded_vocab
 from k3ray.sampling_params import StructuredOutputsParams
 from k3ray.tokenizer import ByteTokenizer
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3ray.engine import SamplingParams
-from k3ray.engine.structured_output import StructuredOutputs, encoded_vocab
+from k3ray.engine.structured.structured_output import StructuredOutputs, encoded_vocab
 from k3ray.sampling_params import StructuredOutputsParams, ToolCallsFormat
 from k3ray.tokenizer import ByteTokenizer
 from k3ray.tokenizer.tool_calls import SpecialTokens, ToolCallParser, marker_ids

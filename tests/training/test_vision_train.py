@@ -14,7 +14,7 @@ from PIL import Image
 
 from k3ray.api import K3
 from k3ray.engine import LLM
-from k3ray.engine.media_inputs import PREPROCESSOR_CONFIG, load_media_config
+from k3ray.engine.media.inputs import PREPROCESSOR_CONFIG, load_media_config
 from k3ray.evals.engine_target import EngineTarget
 from k3ray.evals.tasks import images, multimodal
 from k3ray.vision import MediaConfig

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3ray.engine.media_inputs import media_from_messages
+from k3ray.engine.media.inputs import media_from_messages
 from k3ray.evals.tasks import images, multimodal
 from k3ray.tokenizer import ByteTokenizer
 from k3ray.tokenizer import special as sp

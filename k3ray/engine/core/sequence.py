@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from k3ray.engine.media import PromptMedia
+from k3ray.engine.media.prompt_media import PromptMedia
 from k3ray.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from k3ray.sampling_params import RequestOutputKind, SamplingParams
 
@@ -133,7 +133,7 @@ class Request:
             [None] if params.prompt_logprobs is not None else None
         )
         self.num_prompt_logprobs_sent = 0  # by delta outputs
-        # prefill/decode disaggregation (k3ray/engine/handoff.py)
+        # prefill/decode disaggregation (k3ray/engine/disagg/handoff.py)
         self.export_from: int | None = None  # prefill only: hand off the caches from this prompt token on
         self.export_parts = False  # prefill only: send each chunk's latent rows as it computes them
         self.rows_sent: int | None = None  # prefill only: the latent rows before this one went out in parts

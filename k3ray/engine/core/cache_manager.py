@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from k3ray.config import ModelConfig
-from k3ray.engine.block_pool import BlockPool, hash_block
 from k3ray.engine.config import DEFAULT_CACHE_BYTES, EngineConfig
-from k3ray.engine.sequence import Sequence
-from k3ray.engine.state_pool import StatePool
+from k3ray.engine.core.block_pool import BlockPool, hash_block
+from k3ray.engine.core.sequence import Sequence
+from k3ray.engine.core.state_pool import StatePool
 
 # (model config, cache dtype) for the target, then the draft model if any: they share slot and
 # block indices, so one slot or block costs the sum over models.

@@ -14,8 +14,8 @@ import weakref
 import numpy as np
 import torch
 
-from k3ray.engine.sampler import draw, sampling_probs, uniform
-from k3ray.engine.sequence import Sequence
+from k3ray.engine.core.sequence import Sequence
+from k3ray.engine.sample.sampler import draw, sampling_probs, uniform
 from k3ray.sampling_params import SamplingParams
 
 

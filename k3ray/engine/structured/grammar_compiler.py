@@ -201,7 +201,7 @@ class GrammarCompiler:
         with self._outputs_lock:
             if self._outputs is None:
                 # lazy: xgrammar (and transformers under it) only once a request asks for structured output
-                from k3ray.engine.structured_output import StructuredOutputs, encoded_vocab
+                from k3ray.engine.structured.structured_output import StructuredOutputs, encoded_vocab
 
                 self._vocab = encoded_vocab(self._tokenizer, self._vocab_size)
                 self._outputs = StructuredOutputs(self._vocab, self._stop_token_ids)
@@ -249,7 +249,7 @@ class GrammarWorker:
         parent_end, child_end = socket.socketpair()
         # off the working directory, as EngineClient starts the engine (a checkout there would shadow the package)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "k3ray.engine.grammar_worker", str(child_end.fileno())],
+            [sys.executable, "-m", "k3ray.engine.structured.grammar_worker", str(child_end.fileno())],
             pass_fds=(child_end.fileno(),), cwd=tempfile.gettempdir())
         child_end.close()
         self.conn = Connection(parent_end.detach())

@@ -5,10 +5,23 @@ fp32 log-softmax. Only the chosen ids and the asked-for log-probabilities come b
 
 from __future__ import annotations
 
+import hashlib
+import random
+
 import torch
 
 from k3ray.engine.outputs import Logprob, PositionLogprobs
 from k3ray.sampling_params import SamplingParams
+
+
+def sequence_generator(rng: random.Random, seed: int | None, index: int) -> torch.Generator:
+    """The random stream of a request's sequence `index`: from its seed (the sequences after the first
+    from a hash of seed and index, so n > 1 differ), else from the engine's own rng."""
+    if seed is None:
+        seed = rng.getrandbits(63)
+    elif index:
+        seed = int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest(), "little") >> 1
+    return torch.Generator().manual_seed(seed)
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """User-facing media -> ProcessedMedia: OpenAI chat parts and vLLM-style `multi_modal_data`, plus
-an engine's multimodal settings.
+an engine's media reading (its settings: k3ray.engine.config.MultiModalConfig).
 
 Chat parts, in placeholder order (the order `render_chat` emits them):
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 import urllib.parse
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from k3ray.config import VisionConfig
+from k3ray.engine.config import MultiModalConfig
 from k3ray.vision import MediaConfig, ProcessedMedia, data_url_bytes, preprocess_media
 from k3ray.vision.preprocess import PixelBudget
 
@@ -28,42 +29,20 @@ MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}
 Fetch = Callable[[str], bytes]
 
 
-@dataclass(frozen=True)
-class MultiModalConfig:
-    """How an engine takes media: preprocessing (None: the tower's defaults), how many items one
-    prompt may hold, whether a server may fetch http(s) media URLs, and the folder file:// media URLs
-    may be read from (None: none may)."""
-
-    media: MediaConfig | None = None
-    max_items_per_prompt: int = 128
-    allow_remote_urls: bool = False
-    fetch_timeout_s: float = 10.0
-    allowed_local_media_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_items_per_prompt, bool) or not isinstance(self.max_items_per_prompt, int) \
-                or self.max_items_per_prompt < 1:
-            raise ValueError(f"max_items_per_prompt must be a positive int, got {self.max_items_per_prompt!r}")
-        if not self.fetch_timeout_s > 0:
-            raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s!r}")
-        root = self.allowed_local_media_path
-        if root is not None and not (isinstance(root, str) and os.path.isabs(root) and os.path.isdir(root)):
-            raise ValueError(f"allowed_local_media_path must be an absolute path to a folder, got {root!r}")
-
-    def read_media(self, messages: Sequence[dict], fetch: Fetch | None = None) -> list[ProcessedMedia]:
-        """Every image / video of a conversation under these settings (see media_from_messages);
-        `fetch`: the server's, when it may fetch http(s) URLs."""
-        assert self.media is not None, "no media settings: an engine without a vision tower takes no media"
-        return media_from_messages(messages, self.media, fetch=fetch, max_items=self.max_items_per_prompt,
-                                   local_root=self.allowed_local_media_path)
-
-
 class MediaInputError(ValueError):
     """Bad media in a request; `param` names the offending part (e.g. "messages[0].content[1]")."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def read_media(multimodal: MultiModalConfig, messages: Sequence[dict], fetch: Fetch | None = None) -> list[ProcessedMedia]:
+    """Every image / video of a conversation under an engine's media settings (see media_from_messages);
+    `fetch`: the server's, when it may fetch http(s) URLs."""
+    assert multimodal.media is not None, "no media settings: an engine without a vision tower takes no media"
+    return media_from_messages(messages, multimodal.media, fetch=fetch, max_items=multimodal.max_items_per_prompt,
+                               local_root=multimodal.allowed_local_media_path)
 
 
 def load_media_config(checkpoint: str | os.PathLike, vision: VisionConfig, **overrides: Any) -> MediaConfig:

@@ -32,11 +32,11 @@ from contextlib import aclosing
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
-from k3ray.engine.engine_core_proc import WirePrompts
-from k3ray.engine.engine_info import EngineInfo
-from k3ray.engine.errors import ModelUnavailableError
-from k3ray.engine.handoff import Handoff, HandoffPart
+from k3ray.engine.disagg.handoff import Handoff, HandoffPart
 from k3ray.engine.outputs import OutputAccumulator, RequestOutput, follow, latest, merge_deltas
+from k3ray.engine.process.engine_core_proc import WirePrompts
+from k3ray.engine.process.engine_info import EngineInfo
+from k3ray.engine.process.errors import ModelUnavailableError
 from k3ray.engine.pipe import recv, send
 from k3ray.engine.stats import EngineStats
 from k3ray.sampling_params import RequestOutputKind, SamplingParams
@@ -76,7 +76,7 @@ class EngineClient:
         parent_end, child_end = socket.socketpair()
         # started off the working directory: `python -m` puts it first on sys.path, and a k3ray
         # checkout there would shadow the installed package (its kernels, actors, evals live beside it)
-        process = subprocess.Popen([sys.executable, "-m", "k3ray.engine.engine_core_proc", str(child_end.fileno()),
+        process = subprocess.Popen([sys.executable, "-m", "k3ray.engine.process.engine_core_proc", str(child_end.fileno()),
                                     str(os.getpid())], pass_fds=(child_end.fileno(),), cwd=tempfile.gettempdir())
         child_end.close()
         conn = Connection(parent_end.detach())

@@ -4,7 +4,7 @@ stats. It blocks on the socket while idle and exits when the socket closes (its 
 or a shutdown message arrives; a watcher thread ends it within a second of its parent's death
 even while it builds the engine or runs a long step (it never reads the socket then).
 
-    python -m k3ray.engine.engine_core_proc FD PID   # FD: this end of the parent's socketpair, PID: the parent
+    python -m k3ray.engine.process.engine_core_proc FD PID   # FD: this end of the parent's socketpair, PID: the parent
 
 Messages in:  ("add", request_id, prompt, params, media, arrival_time, transfer) | ("abort", request_id)
               | ("held", call_id, prompt, media) | ("part", request_id, HandoffPart | None) | ("shutdown",);
@@ -30,8 +30,8 @@ import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
-from k3ray.engine.engine_info import EngineInfo
 from k3ray.engine.outputs import RequestOutput
+from k3ray.engine.process.engine_info import EngineInfo
 from k3ray.engine.pipe import recv, send
 from k3ray.engine.step_or_abort import step_or_abort
 

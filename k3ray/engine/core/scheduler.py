@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3ray.engine.cache_manager import CacheManager
 from k3ray.engine.config import EngineConfig
-from k3ray.engine.handoff import HandoffMismatchError
-from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan, pad_block_tables
-from k3ray.engine.sequence import Sequence, SequenceStatus
+from k3ray.engine.core.cache_manager import CacheManager
+from k3ray.engine.core.sequence import Sequence, SequenceStatus
+from k3ray.engine.disagg.handoff import HandoffMismatchError
+from k3ray.engine.execution.plan import BatchPlan, DraftPlan, StepPlan, pad_block_tables
 
 
 @dataclass

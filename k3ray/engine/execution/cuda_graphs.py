@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from k3ray.engine.plan import BatchPlan
+from k3ray.engine.execution.plan import BatchPlan
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.k3 import K3ForCausalLM
 

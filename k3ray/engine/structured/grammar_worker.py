@@ -2,7 +2,7 @@
 grammar at a time over the engine's vocabulary and sends it back serialized. Its parent enforces
 the time and memory limits by killing it; it exits when the socket closes or its parent is gone.
 
-    python -m k3ray.engine.grammar_worker FD     # FD: this end of the parent's socketpair
+    python -m k3ray.engine.structured.grammar_worker FD     # FD: this end of the parent's socketpair
 
 Messages in:  (vocab, stop_token_ids) once, then ("compile", StructuredOutputsParams, max_bytes)
 Messages out: ("ready",) once, then one answer per compile: ("compiled", CompiledGrammar.serialize_json())
@@ -18,7 +18,7 @@ import time
 from multiprocessing.connection import Connection
 
 from k3ray.engine.pipe import recv, send
-from k3ray.engine.structured_output import StructuredOutputs
+from k3ray.engine.structured.structured_output import StructuredOutputs
 
 PARENT_CHECK_S = 1.0
 

@@ -10,9 +10,9 @@ from abc import ABC, abstractmethod
 import torch
 
 from k3ray.device import to_device
-from k3ray.engine.cache_manager import CacheGeometry, CacheLayout
-from k3ray.engine.cuda_graphs import DecodeGraphs
-from k3ray.engine.handoff import (
+from k3ray.engine.core.cache_manager import CacheGeometry, CacheLayout
+from k3ray.engine.execution.cuda_graphs import DecodeGraphs
+from k3ray.engine.disagg.handoff import (
     CacheRecord,
     HandoffMismatchError,
     RemoteCacheRecord,
@@ -20,7 +20,7 @@ from k3ray.engine.handoff import (
     read_record,
     write_record,
 )
-from k3ray.engine.plan import BatchPlan, DraftPlan, StepPlan
+from k3ray.engine.execution.plan import BatchPlan, DraftPlan, StepPlan
 from k3ray.models.forward_batch import ForwardBatch, ModelCache
 from k3ray.models.k3 import K3ForCausalLM
 from k3ray.vision.placeholders import splice_media_embeddings

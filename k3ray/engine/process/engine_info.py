@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3ray.config import ModelConfig
-from k3ray.engine.media_inputs import MultiModalConfig
+from k3ray.engine.config import MultiModalConfig
 
 
 @dataclass(frozen=True)

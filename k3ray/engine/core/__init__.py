@@ -1,0 +1,1 @@
+"""The scheduler and its caches: sequences, paged latent blocks, recurrent-state slots, the prefix cache."""

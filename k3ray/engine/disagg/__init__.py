@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: what a prefill engine hands a decode engine, and its transfer."""

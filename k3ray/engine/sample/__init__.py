@@ -1,0 +1,1 @@
+"""Logits -> tokens: sampling, and speculative drafts with their verification."""

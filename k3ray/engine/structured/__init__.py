@@ -1,0 +1,1 @@
+"""Structured output: grammar compilation (its workers), grammar masks, and the logits processors."""
