@@ -41,8 +41,12 @@ class Rule:
     allowed: tuple[str, ...] = ()  # exceptions to `forbidden` (longest prefix wins)
 
 
+CORE_FORBIDDEN = ("ray", "k3ray.actors", "k3ray.evals", TRAINING)
+ENGINE_TOP = ("k3ray.engine.llm_engine", "k3ray.engine.async_engine", "k3ray.engine.llm",
+              "k3ray.engine.step_or_abort")
+
 RULES = (
-    Rule("k3ray", forbidden=("ray", "k3ray.actors", "k3ray.evals", TRAINING)),
+    Rule("k3ray", forbidden=CORE_FORBIDDEN),
     Rule("k3ray.kernels", forbidden=("k3ray", TRAINING), allowed=("k3ray.kernels",)),
     Rule("k3ray.actors", forbidden=("k3ray.evals", TRAINING)),
     Rule("k3ray.evals", forbidden=(TRAINING,)),
@@ -54,6 +58,14 @@ RULES = (
     Rule("k3ray.actors.cluster", forbidden=("k3ray.actors", "k3ray.evals", TRAINING),
          allowed=("k3ray.actors.cluster", "k3ray.actors.serve.config")),  # the settings it checks nodes for
     Rule("k3ray.actors.serve", forbidden=("k3ray.actors.bench", "k3ray.evals", TRAINING)),
+    # engine/ by role: the rooms serve the engine's top (LLMEngine, its fronts), which alone ties them together;
+    # process/ runs the engine in its own process; the scheduler and caches (core/) name no grammar, sampler or input
+    *(Rule(f"k3ray.engine.{room}", forbidden=(*CORE_FORBIDDEN, *ENGINE_TOP, "k3ray.engine.process"))
+      for room in ("execution", "sample", "structured", "media", "disagg")),
+    Rule("k3ray.engine.core", forbidden=(*CORE_FORBIDDEN, *ENGINE_TOP, "k3ray.engine.process",
+                                         "k3ray.engine.structured", "k3ray.engine.sample",
+                                         "k3ray.engine.input_processor", "k3ray.engine.output_processor")),
+    Rule("k3ray.engine.process", forbidden=CORE_FORBIDDEN),
     Rule("k3ray.actors.bench", forbidden=("k3ray.actors.serve", "k3ray.actors.openai", "k3ray.evals", TRAINING)),
 )
 

@@ -37,7 +37,8 @@ class MediaInputError(ValueError):
         self.param = param
 
 
-def read_media(multimodal: MultiModalConfig, messages: Sequence[dict], fetch: Fetch | None = None) -> list[ProcessedMedia]:
+def read_media(multimodal: MultiModalConfig, messages: Sequence[dict],
+               fetch: Fetch | None = None) -> list[ProcessedMedia]:
     """Every image / video of a conversation under an engine's media settings (see media_from_messages);
     `fetch`: the server's, when it may fetch http(s) URLs."""
     assert multimodal.media is not None, "no media settings: an engine without a vision tower takes no media"
