@@ -5,7 +5,9 @@ on real shards: test_moe_fan_out.py)."""
 import pytest
 import torch
 
+from k3ray.actors.pipeline.executor import RayExecutor
 from k3ray.actors.pipeline.expert_placement import Placement, balance, max_over_mean
+from k3ray.actors.pipeline.config import ParallelConfig
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.tokenizer import load_tokenizer
 from k3ray.weights import load_model
@@ -48,11 +50,6 @@ def test_pair_owners_alternate_over_copies_in_step_order():
     assert placement.pair_owners(ids).tolist() == [[0, 0], [1, 1], [0, 0], [1, 1]]
     assert placement.pair_owners_list(ids.flatten().tolist()) == [0, 0, 1, 1, 0, 0, 1, 1]  # small steps' path
 
-
-ray = pytest.importorskip("ray")
-
-from k3ray.actors.pipeline.executor import RayExecutor  # noqa: E402
-from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
 
 ON_NODES = dict(stage_resources={"CPU": 1, "stage_node": 1}, shard_resources={"CPU": 1, "shard_node": 1},
                 router_resources={"CPU": 0.5, "stage_node": 1})

@@ -6,14 +6,12 @@ import json
 
 import pytest
 
-pytest.importorskip("ray")
-
-from k3ray.actors.pipeline.executor import actor_bundles, hop_transport  # noqa: E402
-from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
-from k3ray.actors.pipeline.stage_records import handoff_transport  # noqa: E402
-from k3ray.actors.serve.config import ServeArgs  # noqa: E402
-from k3ray.cli import main as cli_main  # noqa: E402
-from k3ray.config import preset  # noqa: E402
+from k3ray.actors.pipeline.executor import actor_bundles, hop_transport
+from k3ray.actors.pipeline.config import ParallelConfig
+from k3ray.actors.pipeline.stage_records import handoff_transport
+from k3ray.actors.serve.config import ServeArgs
+from k3ray.cli import main as cli_main
+from k3ray.config import preset
 
 BUNDLE_ROLE = {"stage": "stage", "router": "router", "shard": "expert_shard", "vision": "vision"}
 
@@ -96,7 +94,7 @@ def test_nixl_asked_for_without_nixl_is_refused_naming_the_stage():
 def test_serve_settings_offer_every_handoff_transport():
     from typing import get_args
 
-    from k3ray.actors.pipeline.protocol import HANDOFF_TRANSPORTS
+    from k3ray.actors.pipeline.config import HANDOFF_TRANSPORTS
     from k3ray.actors.serve.config import ParallelSettings
 
     assert get_args(ParallelSettings.model_fields["handoff_transport"].annotation) == HANDOFF_TRANSPORTS

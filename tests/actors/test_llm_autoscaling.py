@@ -6,17 +6,15 @@ test_serve_llm_autoscale.py."""
 from dataclasses import replace
 
 import pytest
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.autoscaling_policy import _apply_autoscaling_config  # Serve's wrapper
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-pytest.importorskip("ray")
-from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
-from ray.serve.autoscaling_policy import _apply_autoscaling_config  # noqa: E402  Serve's wrapper
-from ray.serve.config import AutoscalingConfig, AutoscalingContext  # noqa: E402
-
-from k3ray.actors.openai.admission import Admission, AdmissionLimits  # noqa: E402
-from k3ray.actors.serve import load_signals as sig  # noqa: E402
-from k3ray.actors.serve.autoscaling import STATE_KEY, LLMAutoscalingPolicy, serve_autoscaling_config  # noqa: E402
-from k3ray.actors.serve.config import AutoscalingSettings  # noqa: E402
-from k3ray.engine.stats import EngineStats  # noqa: E402
+from k3ray.actors.openai.admission import Admission, AdmissionLimits
+from k3ray.actors.serve import load_signals as sig
+from k3ray.actors.serve.autoscaling import STATE_KEY, LLMAutoscalingPolicy, serve_autoscaling_config
+from k3ray.actors.serve.config import AutoscalingSettings
+from k3ray.engine.stats import EngineStats
 
 DEPLOYMENT = DeploymentID(name="K3Server", app_name="k3ray")
 

@@ -5,16 +5,14 @@ process."""
 import time
 
 import pytest
+import ray
 import torch
 
+from k3ray.actors.pipeline import moe_dispatch
+from k3ray.actors.pipeline.expert_placement import Placement
+from k3ray.actors.pipeline.expert_shard import ExpertShard
 from k3ray.testing import assert_close
 from k3ray.weights import load_model
-
-ray = pytest.importorskip("ray")
-
-from k3ray.actors.pipeline import moe_dispatch  # noqa: E402
-from k3ray.actors.pipeline.expert_placement import Placement  # noqa: E402
-from k3ray.actors.pipeline.expert_shard import ExpertShard  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,9 +6,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
-pytest.importorskip("ray")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = """

@@ -4,14 +4,11 @@ log-probabilities, with prefix caching and n-gram speculative decoding on, acros
 import pytest
 import torch
 
+from k3ray.actors.pipeline.executor import RayExecutor
+from k3ray.actors.pipeline.config import ParallelConfig
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams, SpeculativeConfig
 from k3ray.tokenizer import load_tokenizer
 from k3ray.weights import load_model
-
-ray = pytest.importorskip("ray")
-
-from k3ray.actors.pipeline.executor import RayExecutor  # noqa: E402
-from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 ON_NODES = dict(stage_resources={"CPU": 1, "stage_node": 1}, shard_resources={"CPU": 1, "shard_node": 1},

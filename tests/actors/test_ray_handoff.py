@@ -12,18 +12,16 @@ import time
 from dataclasses import replace
 
 import pytest
+import ray
 
+from k3ray.actors.pipeline.executor import RayExecutor
+from k3ray.actors.pipeline.config import ParallelConfig
+from k3ray.actors.pipeline.stage_records import StageRecords
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.engine.disagg.handoff import HandoffMismatchError
 from k3ray.sampling_params import RequestOutputKind
 from k3ray.testing import finish_request
 from k3ray.weights import load_model
-
-ray = pytest.importorskip("ray")
-
-from k3ray.actors.pipeline.executor import RayExecutor  # noqa: E402
-from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
-from k3ray.actors.pipeline.stage_records import StageRecords  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=8, num_blocks=64, snapshot_interval=1)

@@ -6,23 +6,22 @@ import base64
 import io
 
 import pytest
+import ray
 import torch
 from PIL import Image
 
+from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
+from k3ray.actors.pipeline.executor import (
+    RayExecutor,
+    actor_bundles,
+)
+from k3ray.actors.pipeline.config import ParallelConfig
 from k3ray.engine import EngineConfig, LLMEngine, LocalExecutor, SamplingParams
 from k3ray.engine.media.inputs import media_from_messages
 from k3ray.engine.media.prompt_media import local_vision_encoder
 from k3ray.tokenizer import load_tokenizer
 from k3ray.vision import load_vision
 from k3ray.weights import load_model
-
-ray = pytest.importorskip("ray")
-from k3ray.actors.cluster.ray_connect import connect  # noqa: E402  ray.init off the repository root
-from k3ray.actors.pipeline.executor import (
-    RayExecutor,  # noqa: E402
-    actor_bundles,  # noqa: E402
-)
-from k3ray.actors.pipeline.protocol import ParallelConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=40, block_size=8, num_blocks=96, snapshot_interval=1)

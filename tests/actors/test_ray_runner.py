@@ -3,16 +3,15 @@
 import time
 
 import pytest
+import ray
 import torch
 
+from k3ray.actors.pipeline.executor import RayExecutor
+from k3ray.actors.pipeline.config import ParallelConfig
+from k3ray.actors.pipeline.protocol import CacheSpec, StageFailure
 from k3ray.engine.execution.plan import BatchPlan
 from k3ray.models.forward_batch import ModelCache
 from k3ray.weights import load_model
-
-ray = pytest.importorskip("ray")
-
-from k3ray.actors.pipeline.executor import RayExecutor  # noqa: E402
-from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailure  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 BS = 8

@@ -2,14 +2,12 @@
 
 import asyncio
 
+import grpc
 import psutil
 import pytest
+from ray.serve._private import replica
 
-grpc = pytest.importorskip("grpc")
-
-from ray.serve._private import replica  # noqa: E402
-
-from k3ray.actors.serve.replica_grpc_bind import bind_replica_grpc_to  # noqa: E402
+from k3ray.actors.serve.replica_grpc_bind import bind_replica_grpc_to
 
 
 def listening_on(port: int) -> set[str]:

@@ -10,10 +10,10 @@ from collections import Counter
 
 import httpx
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-from k3ray.actors.cluster.ray_connect import connect  # noqa: E402  ray.init off the repository root
-from k3ray.actors.serve.isolation import free_port  # noqa: E402
+from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
+from k3ray.actors.serve.isolation import free_port
 
 pytestmark = pytest.mark.timeout(600)
 MODEL_ACTORS = {"PipelineStage": 1, "MoERouter": 1, "ExpertShard": 2}  # per replica (expert_parallel=2)

@@ -17,15 +17,13 @@ import psutil
 import pytest
 import yaml
 
-ray = pytest.importorskip("ray")
-
-from k3ray.actors.pipeline.executor import actor_bundles  # noqa: E402
-from k3ray.actors.serve import cli as serve_cmd  # noqa: E402
-from k3ray.actors.serve.app import deployment_options  # noqa: E402
-from k3ray.actors.serve.config import ServeArgs  # noqa: E402
-from k3ray.actors.serve.engine import engine_config  # noqa: E402
-from k3ray.actors.serve.flags import launch_settings  # noqa: E402
-from k3ray.config import ModelConfig  # noqa: E402
+from k3ray.actors.pipeline.executor import actor_bundles
+from k3ray.actors.serve import cli as serve_cmd
+from k3ray.actors.serve.app import deployment_options
+from k3ray.actors.serve.config import ServeArgs
+from k3ray.actors.serve.engine import engine_config
+from k3ray.actors.serve.flags import launch_settings
+from k3ray.config import ModelConfig
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = pathlib.Path(__file__).resolve().parents[2]

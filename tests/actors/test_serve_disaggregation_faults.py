@@ -23,13 +23,11 @@ from collections import Counter
 import httpx
 import psutil
 import pytest
+from ray import serve
 
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
-
-from k3ray.actors.serve import load_signals as sig  # noqa: E402
-from k3ray.actors.serve.driver_calls import call_deployment  # noqa: E402
-from k3ray.evals.serve_bench.chaos import _processes as ray_processes  # noqa: E402
+from k3ray.actors.serve import load_signals as sig
+from k3ray.actors.serve.driver_calls import call_deployment
+from k3ray.evals.serve_bench.chaos import _processes as ray_processes
 
 pytestmark = pytest.mark.timeout(900)
 APP = "k3ray-pd-faults"

@@ -7,11 +7,9 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-ray = pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "k3-strict"

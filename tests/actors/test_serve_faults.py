@@ -14,8 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
-
-ray = pytest.importorskip("ray")
+import ray
 
 pytestmark = pytest.mark.timeout(600)
 RECOVERY_S = 30  # the bound: serving again within this after a kill

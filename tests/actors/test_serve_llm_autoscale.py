@@ -11,10 +11,10 @@ from collections import Counter
 
 import httpx
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-from k3ray.actors.cluster.node_environment import node_environment  # noqa: E402
-from k3ray.actors.cluster.ray_connect import connect, neutral_cwd  # noqa: E402  ray.init off the repository root
+from k3ray.actors.cluster.node_environment import node_environment
+from k3ray.actors.cluster.ray_connect import connect, neutral_cwd  # ray.init off the repository root
 
 pytestmark = pytest.mark.timeout(900)
 REPLICA = "ServeReplica:k3ray:K3Server"

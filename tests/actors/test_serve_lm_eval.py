@@ -8,10 +8,7 @@ import textwrap
 
 import pytest
 
-ray = pytest.importorskip("ray")
-lm_eval = pytest.importorskip("lm_eval")
-
-from k3ray.api import K3  # noqa: E402
+from k3ray.api import K3
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "k3-eval"

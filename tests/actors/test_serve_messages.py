@@ -8,14 +8,13 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import anthropic
 import httpx
 import pytest
 
-anthropic = pytest.importorskip("anthropic")
-
-from k3ray.actors.openai import messages as messages_module  # noqa: E402
-from k3ray.actors.openai.messages import MessageEvents, chat_request, message_body  # noqa: E402
-from k3ray.actors.openai.messages_protocol import MessagesRequest  # noqa: E402
+from k3ray.actors.openai import messages as messages_module
+from k3ray.actors.openai.messages import MessageEvents, chat_request, message_body
+from k3ray.actors.openai.messages_protocol import MessagesRequest
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "k3-messages"

@@ -9,14 +9,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
-
-from k3ray.actors.openai.logprobs import token_text  # noqa: E402
-from k3ray.api import K3  # noqa: E402
+from k3ray.actors.openai.logprobs import token_text
+from k3ray.api import K3
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "k3-test"

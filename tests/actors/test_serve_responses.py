@@ -8,14 +8,12 @@ from typing import get_args
 
 import httpx
 import jsonschema
+import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 
-openai = pytest.importorskip("openai")
-
-from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
-
-from k3ray.actors.openai.errors import APIError  # noqa: E402
-from k3ray.actors.openai.responses_convert import (  # noqa: E402
+from k3ray.actors.openai.errors import APIError
+from k3ray.actors.openai.responses_convert import (
     chat_messages,
     chat_request,
     response_body,

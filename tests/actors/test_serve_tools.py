@@ -10,13 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-
-from k3ray.tokenizer import ByteTokenizer  # noqa: E402
-from k3ray.tokenizer import special as sp  # noqa: E402
-from k3ray.tokenizer.tool_calls import MARKERS, marker_ids  # noqa: E402
+from k3ray.tokenizer import ByteTokenizer
+from k3ray.tokenizer import special as sp
+from k3ray.tokenizer.tool_calls import MARKERS, marker_ids
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "k3-tools"

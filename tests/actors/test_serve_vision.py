@@ -9,14 +9,12 @@ import struct
 import zlib
 
 import httpx
+import openai
 import pytest
 import torch
 from PIL import Image
 
 from k3ray.engine import LLM
-
-ray = pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "k3-vision"

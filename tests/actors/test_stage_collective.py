@@ -4,16 +4,15 @@ same code path as NCCL on GPUs) == host memory == local, and a restarted stage r
 import time
 
 import pytest
+import ray
 import torch
 
+from k3ray.actors.pipeline.executor import RayExecutor, hop_transport
+from k3ray.actors.pipeline.config import ParallelConfig
+from k3ray.actors.pipeline.protocol import CacheSpec, StageFailure
 from k3ray.engine.execution.plan import BatchPlan
 from k3ray.models.forward_batch import ModelCache
 from k3ray.weights import load_model
-
-ray = pytest.importorskip("ray")
-
-from k3ray.actors.pipeline.executor import RayExecutor, hop_transport  # noqa: E402
-from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailure  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 BS = 8
@@ -90,7 +89,7 @@ def test_gloo_hops_equal_host_and_local_and_survive_a_stage_restart(ray_cluster,
 def test_serve_settings_offer_every_stage_transport():
     from typing import get_args
 
-    from k3ray.actors.pipeline.protocol import STAGE_TRANSPORTS
+    from k3ray.actors.pipeline.config import STAGE_TRANSPORTS
     from k3ray.actors.serve.config import ParallelSettings, ServeArgs
 
     assert get_args(ParallelSettings.model_fields["stage_transport"].annotation) == STAGE_TRANSPORTS

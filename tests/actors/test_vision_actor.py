@@ -3,15 +3,13 @@
 import io
 
 import pytest
+import ray
 import torch
 from PIL import Image
 
+from k3ray.actors.pipeline.vision_encoder import RemoteVisionEncoder, VisionEncoder
 from k3ray.vision import MediaConfig, encode_media, load_vision, pack_media, preprocess_media
 from k3ray.weights import load_model
-
-ray = pytest.importorskip("ray")
-
-from k3ray.actors.pipeline.vision_encoder import RemoteVisionEncoder, VisionEncoder  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,13 +6,12 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from ray import cloudpickle as ray_cloudpickle
 
 from k3ray.actors.pipeline import wire
 from k3ray.actors.pipeline.protocol import WirePlan
 from k3ray.actors.pipeline.wire import pack, pack_raw, unpack, unpack_raw, unpack_tagged
 from k3ray.engine.execution.plan import BatchPlan
-
-ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]

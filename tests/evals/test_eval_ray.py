@@ -3,12 +3,11 @@
 import json
 
 import pytest
+import ray
 
+from k3ray.actors.cluster.ray_connect import connect  # ray.init off the repository root
 from k3ray.evals.oracle import OracleTarget
 from k3ray.evals.runner import RunConfig, run_eval
-
-ray = pytest.importorskip("ray")
-from k3ray.actors.cluster.ray_connect import connect  # noqa: E402  ray.init off the repository root
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,8 @@ import json
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray")
-lm_eval = pytest.importorskip("lm_eval")
-
-from k3ray.cli import main as k3ray_main  # noqa: E402
-from k3ray.evals import lm_eval_bridge as bridge  # noqa: E402
+from k3ray.cli import main as k3ray_main
+from k3ray.evals import lm_eval_bridge as bridge
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "k3-lm-eval"

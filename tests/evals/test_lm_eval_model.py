@@ -4,17 +4,15 @@ shares no code with the engine the lm-eval model runs on."""
 
 import json
 
+import lm_eval
 import pytest
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-lm_eval = pytest.importorskip("lm_eval")
-
-from lm_eval.tasks import TaskManager  # noqa: E402
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
-
-import k3ray.evals.lm_eval_model as lm_eval_model  # noqa: E402
-from k3ray.api import K3  # noqa: E402
-from k3ray.cli import main as k3ray_main  # noqa: E402
-from k3ray.evals.lm_eval_bridge import TASKS_DIR  # noqa: E402
+import k3ray.evals.lm_eval_model as lm_eval_model
+from k3ray.api import K3
+from k3ray.cli import main as k3ray_main
+from k3ray.evals.lm_eval_bridge import TASKS_DIR
 
 pytestmark = pytest.mark.timeout(600)
 MAX_LENGTH = 512

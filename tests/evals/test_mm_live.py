@@ -10,8 +10,6 @@ from k3ray.evals.openai_target import OpenAITarget
 from k3ray.evals.results import load_records
 from k3ray.evals.runner import RunConfig, run_eval
 
-ray = pytest.importorskip("ray")
-
 pytestmark = pytest.mark.timeout(600)
 MODEL = "k3-mm"
 TASKS = ("image_niah", "video_niah", "video_niah_gif")

@@ -13,12 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-pytest.importorskip("ray")
-
-from k3ray.engine import LLM  # noqa: E402
-from k3ray.evals.engine_target import EngineTarget  # noqa: E402
-from k3ray.evals.openai_target import OpenAITarget  # noqa: E402
-from k3ray.evals.tasks import Cell, get_task, images, multimodal  # noqa: E402
+from k3ray.engine import LLM
+from k3ray.evals.engine_target import EngineTarget
+from k3ray.evals.openai_target import OpenAITarget
+from k3ray.evals.tasks import Cell, get_task, images, multimodal
 
 pytestmark = pytest.mark.timeout(900)
 ENGINE = {"max_model_len": 2048, "cache_memory_mb": 64}

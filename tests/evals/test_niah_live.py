@@ -9,16 +9,14 @@ import json
 
 import pytest
 
-ray = pytest.importorskip("ray")
-
-from k3ray.cli import main as k3ray_main  # noqa: E402
-from k3ray.evals import progress  # noqa: E402
-from k3ray.evals.engine_target import EngineTarget  # noqa: E402
-from k3ray.evals.openai_target import OpenAITarget  # noqa: E402
-from k3ray.evals.oracle import OracleTarget  # noqa: E402
-from k3ray.evals.runner import RunConfig, run_eval  # noqa: E402
-from k3ray.evals.tasks import get_task  # noqa: E402
-from k3ray.evals.tasks.base import Cell  # noqa: E402
+from k3ray.cli import main as k3ray_main
+from k3ray.evals import progress
+from k3ray.evals.engine_target import EngineTarget
+from k3ray.evals.openai_target import OpenAITarget
+from k3ray.evals.oracle import OracleTarget
+from k3ray.evals.runner import RunConfig, run_eval
+from k3ray.evals.tasks import get_task
+from k3ray.evals.tasks.base import Cell
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "k3-niah"

@@ -8,9 +8,7 @@ import socket
 
 import pytest
 
-pytest.importorskip("ray")
-
-from k3ray.evals.openai_target import OpenAITarget  # noqa: E402
+from k3ray.evals.openai_target import OpenAITarget
 
 pytestmark = pytest.mark.timeout(900)
 ENGINE = {"max_model_len": 4608, "cache_memory_mb": 128}

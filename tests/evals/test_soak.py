@@ -11,7 +11,6 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_bench_soak_reports_errors_by_type_and_memory_over_time(tmp_path):
-    pytest.importorskip("ray")
     out = tmp_path / "soak.json"
     argv = ["bench", "soak", "--num-prompts", "24", "--concurrency", "6", "--max-tokens", "4", "--memory-samples", "4",
             "--json", str(out)]
@@ -30,7 +29,6 @@ def test_bench_soak_reports_errors_by_type_and_memory_over_time(tmp_path):
 
 @pytest.mark.slow  # ~4 min: a pipeline 2 x expert-parallel 2 server, 90 s of load, a replica restarting
 def test_bench_soak_chaos_loses_no_request_and_recovers_every_fault(tmp_path):
-    pytest.importorskip("ray")
     out = tmp_path / "chaos.json"
     argv = ["bench", "soak", "--chaos", "--duration", "90", "--fault-every", "25", "--concurrency", "3",
             "--max-tokens", "4", "--json", str(out)]

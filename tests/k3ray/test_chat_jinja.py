@@ -4,12 +4,11 @@ chats exactly as Hugging Face `transformers.AutoTokenizer.apply_chat_template` d
 import os
 
 import pytest
+import transformers
 
 from k3ray.tokenizer import ByteTokenizer, load_tokenizer
 from k3ray.tokenizer.chat_jinja_render import TemplateError
 from k3ray.tokenizer.chat_options import ChatOptions, options_from_kwargs
-
-transformers = pytest.importorskip("transformers")
 
 CHATML_TOOLS = """{{ bos_token }}
 {%- if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}

@@ -11,6 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+from transformers.models.kimi_k25 import modeling_kimi_k25 as hf
+from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig
+from transformers.vision_utils import get_vision_position_ids
 
 from k3ray.config import k3_config, k3_tiny_config
 from k3ray.testing import assert_close, rel_rmse
@@ -19,10 +22,6 @@ from k3ray.vision.merger import tpool_patch_merger
 from k3ray.vision.model import build_vision_model
 from k3ray.vision.norm import VisionRMSNorm
 from k3ray.vision.rope2d import apply_rope2d, rope2d_angles
-
-hf = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
-from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig  # noqa: E402
-from transformers.vision_utils import get_vision_position_ids  # noqa: E402
 
 FP32 = 2e-6  # float32, same math in another op order (gathered interpolation, rotate-half RoPE): rounding only
 VISION = k3_tiny_config().vision

@@ -3,6 +3,9 @@ gate, and transformers 5.18.0's Kimi-Linear torch functions (docs/k3-architectur
 
 import pytest
 import torch
+from fla.ops.kda import gate as fla_gate
+from fla.ops.kda import naive as fla_naive
+from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi
 
 from k3ray.kernels.kda.naive import (
     kda_gate,
@@ -13,9 +16,6 @@ from k3ray.kernels.kda.naive import (
 )
 from k3ray.testing import assert_close
 
-fla_naive = pytest.importorskip("fla.ops.kda.naive")
-fla_gate = pytest.importorskip("fla.ops.kda.gate")
-hf_kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 # fp32 on both sides, the same equations; only the summation order differs
 FP32_RATIO = 1e-5
