@@ -1,5 +1,6 @@
 """Capacity planner: split a K3 config into pipeline-stage and expert-shard actors that fit a
-device, with the memory of every actor (weights, KDA state, MLA cache), or say why it cannot.
+device, with the memory of every actor (weights, KDA state, MLA cache, the activation reserve of a
+stage, an expert shard's replicas of hot experts), or say why it cannot.
 
 Each stage actor holds contiguous layers (all their non-expert weights and caches; the first
 also the embedding, the last the head); each of a stage's `expert_parallel` shard actors holds
@@ -52,7 +53,7 @@ class ActorPlan:
     weight_bytes: int
     kda_state_bytes: int
     mla_cache_bytes: int
-    other_bytes: int
+    other_bytes: int  # a stage's (or replica's) activation reserve
     devices: int
     replica_bytes: int = 0  # an expert shard's replicas of hot experts (beside its own range's weights)
 

@@ -1,4 +1,8 @@
-"""`k3ray plan`: size a K3 deployment (stage / expert-shard / router actors) for a device type."""
+"""`k3ray plan`: size a K3 deployment (stage / expert-shard / router actors) for a device type.
+
+Each actor's memory in GiB: weights_gib + kda_state_gib + mla_cache_gib + activations_gib (the
+reserve of a stage or replica for one chunked-prefill step's activations) + replicas_gib (an
+expert shard's replicas of hot experts) = total_gib, each rounded to 0.01."""
 
 from __future__ import annotations
 
@@ -51,7 +55,8 @@ def main(args: argparse.Namespace) -> int:
         {"role": a.role, "stage": a.stage, "layers": f"{a.layers[0]}-{a.layers[1] - 1}" if a.layers[1] else "",
          "experts": f"{a.experts[0]}-{a.experts[1] - 1}" if a.experts else "", "devices": a.devices,
          "weights_gib": round(a.weight_bytes / GIB, 2), "kda_state_gib": round(a.kda_state_bytes / GIB, 2),
-         "mla_cache_gib": round(a.mla_cache_bytes / GIB, 2), "replicas_gib": round(a.replica_bytes / GIB, 2),
+         "mla_cache_gib": round(a.mla_cache_bytes / GIB, 2), "activations_gib": round(a.other_bytes / GIB, 2),
+         "replicas_gib": round(a.replica_bytes / GIB, 2),
          "total_gib": round(a.total_bytes / GIB, 2)}
         for a in p.actors
     ]
@@ -71,10 +76,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"{req.config.name} on {req.device}: pipeline {p.pipeline} x expert-parallel {p.expert_parallel} "
           f"= {p.num_devices} devices ({summary['usable_gib_per_device']} GiB usable each), "
           f"{req.concurrency} x {req.context_len:,}-token sequences, {req.expert_format} experts")
-    cols = list(rows[0])
-    print("  " + "  ".join(f"{c:>13}" for c in cols))
+    widths = {c: max(13, len(c)) for c in rows[0]}
+    print("  " + "  ".join(f"{c:>{w}}" for c, w in widths.items()))
     for r in rows:
-        print("  " + "  ".join(f"{str(r[c]):>13}" for c in cols))
+        print("  " + "  ".join(f"{str(r[c]):>{w}}" for c, w in widths.items()))
     print(f"  k3ray serve {p.serve_flags()}")
     if prediction is not None:
         scaled = (f"MLA decode costs measured at a {prediction.measured_context:,}-token context, scaled to "

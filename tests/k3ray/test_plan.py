@@ -195,3 +195,18 @@ def test_mla_decode_costs_scale_to_the_plans_context_by_the_latent_bytes_read():
     mla = 2.0 * (10**6 + 8 * 1000 * latent_bytes_per_token(c)) / 10**6  # batch 8 reads 1,000 more tokens each
     assert pred.decode_step_ms == pytest.approx(2.0 * (len(kinds) - kinds.count("mla_moe")) + mla * kinds.count("mla_moe"))
     assert pred.measured_context == 512 and pred.context_len == 1512
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "k3-tiny", "--device-type", "cpu", "--device-memory-gib", "8"],
+    ["--model", "k3-tiny", "--device-type", "cpu", "--device-memory-gib", "8", "--pipeline", "3", "--expert-parallel", "2"],
+    ["--model", "k3", "--device-type", "h200", "--context-len", "128k"],
+])
+def test_every_actors_memory_columns_add_up_to_its_total(argv, capsys):
+    """The activation reserve is a column of its own: the parts sum to total_gib (each rounded to 0.01)."""
+    assert cli_main(["plan", *argv, "--format", "json"]) == 0
+    actors = json.loads(capsys.readouterr().out)["actors"]
+    assert any(a["activations_gib"] > 0 for a in actors)
+    for a in actors:
+        parts = [v for k, v in a.items() if k.endswith("_gib") and k != "total_gib"]
+        assert len(parts) == 5 and abs(sum(parts) - a["total_gib"]) <= 0.005 * 6, a
