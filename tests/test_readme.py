@@ -38,8 +38,8 @@ def smaller(port: int) -> dict[str, str]:
     return {
         "127.0.0.1:8000": f"127.0.0.1:{port}",
         # the 1,048,576-token cell takes an hour on 2 cores: the same command at 1k
-        "--lengths 1m --depths 50 --reserve-generation \\\n  --max-model-len 1048576":
-            "--lengths 1k --depths 50 --reserve-generation \\\n  --max-model-len 2048",
+        "--lengths 1m --depths 50 --reserve-generation --max-model-len 1048576":
+            "--lengths 1k --depths 50 --reserve-generation --max-model-len 2048",
         # the trained checkpoint's table: 90 prompts a task; here 6 (test_the_eval_commands_reproduce_their_tables
         # holds the commands as written to the table)
         "--lengths 1k,2k,4k --depths 0,50,100 --samples 10": "--lengths 1k,2k --depths 0,50,100 --samples 1",
@@ -67,6 +67,12 @@ def test_the_readme_has_no_placeholders():
                   "/tokenizer_info", "/metrics", "/health"):
         assert f"`{route}`" in text or f"{route}`" in text, f"route {route} is not documented"
     assert (ROOT / "docs" / "design.md").is_file() and "(docs/design.md)" in text
+
+
+def test_every_shrinking_finds_its_readme_text():
+    """A rewrapped README command would otherwise run at full size (the 1M cell: an hour)."""
+    text = README.read_text()
+    assert all(original in text for original in smaller(0)), [o for o in smaller(0) if o not in text]
 
 
 def test_the_eval_commands_reproduce_their_tables():
