@@ -1,4 +1,4 @@
-"""A checkpoint's tensor files are checked by their headers alone, in well under a second, before
+"""A checkpoint's tensor files are checked by their headers alone (no tensor read, no torch), before
 anything loads: a truncated or corrupt shard, a shard the index names that is missing, a tensor the
 index places in a shard that lacks it. Each is one ValueError naming the file; the loader raises
 the same ValueError (not safetensors' own error) if it meets such a file."""
@@ -8,10 +8,10 @@ import os
 import pathlib
 import struct
 import sys
-import time
 
 import pytest
 
+from k3ray.weights import checkpoint_dir
 from k3ray.weights.checkpoint_dir import INDEX_FILE, check_shard_files, open_weight_map
 
 
@@ -77,27 +77,56 @@ DAMAGES = {"truncated": (truncate, "not a complete safetensors file"),
            "tensor misplaced": (misplace_tensor, r"does not hold 1 tensor\(s\)")}
 
 
-def test_a_sound_checkpoint_passes_in_well_under_a_second_without_torch(tiny_checkpoint, tmp_path):
-    code = ("import sys, time; t = time.perf_counter(); from k3ray.weights.checkpoint_dir import check_shard_files, "
-            f"open_weight_map; check_shard_files(*open_weight_map({tiny_checkpoint!r})); "
-            "print(time.perf_counter() - t, 'torch' in sys.modules)")
+@pytest.fixture
+def headers_only(monkeypatch):
+    """safe_open whose tensors cannot be read: the check must not need one."""
+    real_open = checkpoint_dir.safe_open
+
+    class HeadersOnly:
+        def __init__(self, *args, **kwargs) -> None:
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def metadata(self):
+            return self.file.metadata()
+
+        def __getattr__(self, name):  # get_tensor, get_slice, ...
+            raise AssertionError(f"the header check called {name}: it reads tensors")
+
+    monkeypatch.setattr(checkpoint_dir, "safe_open", HeadersOnly)
+
+
+def test_a_sound_checkpoint_passes_without_torch(tiny_checkpoint, tmp_path):
+    code = ("import sys; from k3ray.weights.checkpoint_dir import check_shard_files, open_weight_map; "
+            f"check_shard_files(*open_weight_map({tiny_checkpoint!r})); print('torch' in sys.modules)")
     import subprocess
 
-    took, torch_imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                          timeout=120, cwd=tmp_path).stdout.split()
-    assert torch_imported == "False" and float(took) < 5, (took, torch_imported)
+    torch_imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                    timeout=120, cwd=tmp_path).stdout.strip()
+    assert torch_imported == "False"
+
+
+def test_a_sound_checkpoint_passes_reading_headers_only(tiny_checkpoint, headers_only):
+    check_shard_files(*open_weight_map(tiny_checkpoint))
 
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
-def test_a_damaged_checkpoint_is_one_value_error_naming_the_file(tiny_checkpoint, tmp_path, damage):
+def test_a_damaged_checkpoint_is_one_value_error_naming_the_file(tiny_checkpoint, tmp_path, damage, headers_only):
     path = copy_of(tiny_checkpoint, tmp_path / "ckpt")
     damage_it, words = DAMAGES[damage]
     file = damage_it(path)
-    t0 = time.perf_counter()
     with pytest.raises(ValueError, match=words) as raised:
         check_shard_files(*open_weight_map(path))
     assert file in str(raised.value) and len(str(raised.value).splitlines()) == 1
-    assert time.perf_counter() - t0 < 5
 
 
 def test_the_loader_names_a_truncated_file_too(tiny_checkpoint, tmp_path):
