@@ -13,7 +13,7 @@ from pathlib import Path
 
 import datasets
 
-from k3ray.default_model import default_checkpoint_dir
+from k3ray.default_model import checkpoint_dir
 from k3ray.evals.haystack import corpus_path
 from k3ray.evals.openai_target import OpenAITarget
 from k3ray.evals.scoring import score
@@ -75,9 +75,7 @@ def counting_target(base_url: str | None = None, model: str | None = None, pretr
         if not model:
             raise ValueError("k3ray_niah needs the served model name (model=...) next to base_url")
         return OpenAITarget(_server_root(base_url), model)
-    directory = tokenizer or pretrained
-    if directory is None:
-        directory = default_checkpoint_dir()
+    directory = tokenizer or checkpoint_dir(pretrained)  # a name (shipped, the default's) or a folder
     return _TokenCounter(load_tokenizer(str(directory)), str(directory))
 
 
