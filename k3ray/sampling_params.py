@@ -210,10 +210,12 @@ class SamplingParams:
         """Whether the logits are changed before sampling (the penalties, logit_bias or a grammar)."""
         return self.has_penalties or bool(self.logit_bias) or self.structured_outputs is not None
 
-    def validate(self, vocab_size: int, max_model_len: int, max_schema_bytes: int | None = None) -> None:
+    def validate(self, vocab_size: int, max_model_len: int, max_schema_bytes: int | None = None, *,
+                 schemas: bool = True) -> None:
         """Raise ValueError if these settings cannot run on a model with this vocabulary and context.
         A JSON schema gets the checks that need no grammar engine (its size, JSON, its patterns); the
-        engine's grammar worker finds the rest."""
+        engine's grammar worker finds the rest. schemas=False leaves the schemas to a caller that
+        builds their grammar itself (check_grammar checks them as it does)."""
         self._check_values()
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -222,7 +224,7 @@ class SamplingParams:
         if bad:
             raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
         if self.structured_outputs is not None:
-            for field, schema in self.structured_outputs.schemas():
+            for field, schema in self.structured_outputs.schemas() if schemas else ():
                 checked_schema(schema, max_schema_bytes, field)
             tool_calls = self.structured_outputs.tool_calls
             bad = [t for t in tool_calls.markers if t >= vocab_size] if tool_calls is not None else []

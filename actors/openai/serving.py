@@ -36,7 +36,7 @@ from k3ray.engine.async_engine import AsyncEngine
 from k3ray.engine.media.inputs import MediaInputError, media_parts, read_media
 from k3ray.engine.outputs import FinishTally, OutputAccumulator, RequestOutput
 from k3ray.engine.process.engine_client import EngineClient
-from k3ray.engine.structured.structured_output import check_grammar  # xgrammar: imported with the server, not on a request
+from k3ray.engine.structured.structured_output import check_grammar  # xgrammar: loaded with the server
 from k3ray.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, XtmlMessage
 from k3ray.tokenizer.chat import MEDIA_PART_KINDS, normalize_chat_role
 from k3ray.tokenizer.chat_format import output_reasons
@@ -247,9 +247,10 @@ class OpenAIServing:
                 structured_outputs=structured_outputs,
                 output_kind=RequestOutputKind.DELTA,  # streams send them on; run_to_end adds them up
             )
-            params.validate(self.vocab_size, self.max_model_len, self.info.max_schema_bytes)
-            if params.structured_outputs is not None:  # so a schema xgrammar cannot use is a 400 before any stream
-                check_grammar(params.structured_outputs)
+            grammar = params.structured_outputs
+            params.validate(self.vocab_size, self.max_model_len, self.info.max_schema_bytes, schemas=grammar is None)
+            if grammar is not None:  # its schemas checked here, once: one xgrammar refuses is a 400 before any stream
+                check_grammar(grammar, self.info.max_schema_bytes)
         except ValueError as e:
             raise request_error(e) from e
         return params

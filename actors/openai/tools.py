@@ -60,10 +60,14 @@ def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | Non
         markers = () if xtml else marker_ids(tokenizer)  # K3's vocabulary has its markers by definition
     except ValueError as e:
         raise bad_request(f"tools are not supported by this model: {e}", "tools", "unsupported_parameter") from e
-    functions = [(t.function.name, _parameters(t.function.parameters, i, max_schema_bytes))
-                 for i, t in enumerate(tools)]
+    functions = [(t.function.name, _parameters_text(t.function.parameters)) for t in tools]
     declared = [t.model_dump(exclude_none=True) for t in tools]
     parallel = req.parallel_tool_calls is not False
+    # each schema is checked once: here when it is only declared, else with the call grammar it is part of
+    compiled = set() if choice in ("none", "auto") else \
+        {choice.function.name} if isinstance(choice, NamedToolChoice) else set(names)
+    _check_declared([(i, text) for i, (name, text) in enumerate(functions) if name not in compiled],
+                    max_schema_bytes)
     if choice == "none":
         if xtml:
             return ToolPlan(declared, False, None, (), 0, (TOOLS_OPEN,))
@@ -85,14 +89,19 @@ def tool_plan(req: ChatCompletionRequest, tokenizer, max_schema_bytes: int | Non
     return ToolPlan(declared, True, grammar, (), None if parallel else 1)
 
 
-def _parameters(parameters: dict | None, index: int, max_schema_bytes: int | None) -> str:
-    """A function's parameters schema as JSON text, after the grammar engine's checks (400 naming it)."""
-    text = json.dumps(NO_PARAMETERS if parameters is None else parameters, separators=(",", ":"))
-    try:
-        check_grammar(StructuredOutputsParams(json=text), max_schema_bytes)
-    except ValueError as e:
-        raise bad_request(str(renamed(e, f"tools[{index}].function.parameters")), "tools") from e
-    return text
+def _parameters_text(parameters: dict | None) -> str:
+    """A function's parameters schema as JSON text."""
+    return json.dumps(NO_PARAMETERS if parameters is None else parameters, separators=(",", ":"))
+
+
+def _check_declared(schemas: list[tuple[int, str]], max_schema_bytes: int | None) -> None:
+    """The grammar engine's checks of (tool index, parameters schema) that no call grammar is built
+    from (400 naming it)."""
+    for index, text in schemas:
+        try:
+            check_grammar(StructuredOutputsParams(json=text), max_schema_bytes)
+        except ValueError as e:
+            raise bad_request(str(renamed(e, f"tools[{index}].function.parameters")), "tools") from e
 
 
 def tool_calls_error_message(message: str) -> str:
