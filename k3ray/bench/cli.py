@@ -1,6 +1,6 @@
 """`k3ray bench <name>`: benchmarks that print a table and save JSON. Each is an entry point of
-group `k3ray.benchmarks` (beside what it measures: the model, kernels and engine here, the cluster
-in k3ray.actors, serving in k3ray.evals) exposing HELP, add_arguments(parser) and run(args) -> dict."""
+group `k3ray.benchmarks` (one home per layer: the model, kernels and engine here, the cluster and
+serving in k3ray.actors.bench) exposing HELP, add_arguments(parser) and run(args) -> dict."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from ray import serve
 
 from k3ray.actors.serve import load_signals as sig
 from k3ray.actors.serve.driver_calls import call_deployment
-from k3ray.evals.serve_bench.chaos import _processes as ray_processes
+from k3ray.actors.bench.serve.chaos import _processes as ray_processes
 
 pytestmark = pytest.mark.timeout(900)
 APP = "k3ray-pd-faults"

@@ -22,7 +22,7 @@ from typing import Any
 from k3ray.api_keys import CLIENT_API_KEY_HELP, client_api_key
 from k3ray.bench.common import machine
 from k3ray.cli_flags import add_deprecated_alias
-from k3ray.evals.serve_bench import datasets
+from k3ray.actors.bench.serve import datasets
 from k3ray.threads import add_threads_argument, resolved_threads
 
 HELP = "served TTFT / TPOT / ITL / throughput vs the in-process engine"
@@ -60,7 +60,7 @@ def _rate(rate: float) -> float | str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-    from k3ray.evals.serve_bench import pd, ramp, shared_prefix
+    from k3ray.actors.bench.serve import pd, ramp, shared_prefix
 
     parser.add_argument("--workload", choices=("levels", "ramp", "shared-prefix", "pd"), default="levels",
                         help="levels: throughput and latency per --concurrency level against the in-process engine; "
@@ -126,8 +126,8 @@ def _requests(args: argparse.Namespace, n: int, seed: int, token_range, tokenize
 async def _served(url: str, model: str, requests, offsets, concurrency, timeout,
                   api_key: str | None = None) -> tuple[list[RequestResult], float]:
     # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-    from k3ray.evals.serve_bench.client import RequestResult, open_session, stream_completion
-    from k3ray.evals.serve_bench.load import arrival_offsets, run_load
+    from k3ray.actors.bench.serve.client import RequestResult, open_session, stream_completion
+    from k3ray.actors.bench.serve.load import arrival_offsets, run_load
 
     async with open_session(concurrency, timeout, api_key) as session:
         return await run_load(lambda r: stream_completion(session, url, model, r), requests, offsets, concurrency)
@@ -135,21 +135,21 @@ async def _served(url: str, model: str, requests, offsets, concurrency, timeout,
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-    from k3ray.evals.serve_bench import metrics
+    from k3ray.actors.bench.serve import metrics
 
     if args.workload == "ramp":
         # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-        from k3ray.evals.serve_bench import ramp
+        from k3ray.actors.bench.serve import ramp
 
         return ramp.run(args)
     if args.workload == "shared-prefix":
         # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-        from k3ray.evals.serve_bench import shared_prefix
+        from k3ray.actors.bench.serve import shared_prefix
 
         return shared_prefix.run(args)
     if args.workload == "pd":
         # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-        from k3ray.evals.serve_bench import pd
+        from k3ray.actors.bench.serve import pd
 
         return pd.run(args)
     args.input_len = 32 if args.input_len is None else args.input_len
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.endpoint is not None:
             return _bench(args, args.endpoint.rstrip("/"), levels, counts, percentiles, slos, serve_args)
         # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-        from k3ray.evals.serve_bench.server import local_serve_app
+        from k3ray.actors.bench.serve.server import local_serve_app
 
         with local_serve_app(serve_args, ingress=args.ingress) as url:
             return _bench(args, url, levels, counts, percentiles, slos, serve_args)
@@ -198,8 +198,8 @@ def _level(args, url, model, engine, batches, offsets, level, percentiles, slos)
     each time, so no run reuses another's prefix cache): (its `levels` row, the served metrics of
     the median-throughput run, that run's per-request results)."""
     # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-    from k3ray.evals.serve_bench import metrics
-    from k3ray.evals.serve_bench.engine_side import run_on_engine
+    from k3ray.actors.bench.serve import metrics
+    from k3ray.actors.bench.serve.engine_side import run_on_engine
 
     runs = []
     for requests in batches:
@@ -222,10 +222,10 @@ def _bench(args, url, levels, counts, percentiles, slos, serve_args) -> dict[str
     # lazy: aiohttp, httpx, torch, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     import httpx
 
-    from k3ray.evals.serve_bench import metrics
-    from k3ray.evals.serve_bench.engine_side import run_on_engine
-    from k3ray.evals.serve_bench.load import arrival_offsets, run_load
-    from k3ray.evals.serve_bench.server import auth_headers, server_facts
+    from k3ray.actors.bench.serve import metrics
+    from k3ray.actors.bench.serve.engine_side import run_on_engine
+    from k3ray.actors.bench.serve.load import arrival_offsets, run_load
+    from k3ray.actors.bench.serve.server import auth_headers, server_facts
 
     model, tokenizer_info = server_facts(url, args.served_model_name, api_key=args.api_key)
     engine = _engine(args, serve_args)

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from k3ray.evals.serve_bench import datasets, metrics
-from k3ray.evals.serve_bench.client import RequestResult
-from k3ray.evals.serve_bench.load import arrival_offsets, run_load
+from k3ray.actors.bench.serve import datasets, metrics
+from k3ray.actors.bench.serve.client import RequestResult
+from k3ray.actors.bench.serve.load import arrival_offsets, run_load
 from k3ray.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(600)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from k3ray.evals.serve_bench.client import RequestResult
+from k3ray.actors.bench.serve.client import RequestResult
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -40,9 +40,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from k3ray.actors.serve.config import APP_NAME
 from k3ray.bench.common import machine
-from k3ray.evals.serve_bench.client import open_session, stream_completion
-from k3ray.evals.serve_bench.datasets import BenchRequest, ordinary_token_range
-from k3ray.evals.serve_bench.server import server_facts, wait_healthy
+from k3ray.actors.bench.serve.client import open_session, stream_completion
+from k3ray.actors.bench.serve.datasets import BenchRequest, ordinary_token_range
+from k3ray.actors.bench.serve.server import server_facts, wait_healthy
 from k3ray.threads import resolved_threads
 
 PREFIX_LEN, OUTPUT_LEN = 4096, 4  # defaults: a group's prefix whose prefill dominates a first turn's TTFT

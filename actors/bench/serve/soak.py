@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.chaos:
         # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-        from k3ray.evals.serve_bench.chaos import run_chaos
+        from k3ray.actors.bench.serve.chaos import run_chaos
 
         return run_chaos(args)
     for flag, name in (("--num-prompts", "requests"), ("--concurrency", "concurrency"), ("--max-tokens", "max_tokens"),
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.endpoint is not None:
         return _soak(args, args.endpoint.rstrip("/"), local=False)
     # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-    from k3ray.evals.serve_bench.server import local_serve_app
+    from k3ray.actors.bench.serve.server import local_serve_app
 
     serve_args: dict[str, Any] = {"engine": {"max_num_seqs": max(8, args.concurrency),
                                              "threads": resolved_threads(args.threads)}}
@@ -93,7 +93,7 @@ def replica_rss_mb() -> float:
 
 def _soak(args: argparse.Namespace, url: str, local: bool) -> dict[str, Any]:
     # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
-    from k3ray.evals.serve_bench.server import server_facts
+    from k3ray.actors.bench.serve.server import server_facts
 
     model, _ = server_facts(url, args.served_model_name, api_key=args.api_key)
     outcomes, timeline, seconds = asyncio.run(_drive(args, url, model, local))
@@ -115,7 +115,7 @@ async def _drive(args, url: str, model: str, local: bool) -> tuple[Counter, list
     # lazy: httpx, Ray and the Serve app stay out of `k3ray bench --help` (it loads every benchmark)
     import httpx
 
-    from k3ray.evals.serve_bench.server import auth_headers
+    from k3ray.actors.bench.serve.server import auth_headers
 
     outcomes: Counter = Counter()
     timeline = [[0, replica_rss_mb()]] if local else []

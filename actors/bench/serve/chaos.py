@@ -27,7 +27,7 @@ import psutil
 import ray
 
 from k3ray.bench.common import machine
-from k3ray.evals.serve_bench.server import auth_headers, local_serve_app, server_facts
+from k3ray.actors.bench.serve.server import auth_headers, local_serve_app, server_facts
 from k3ray.threads import resolved_threads
 
 TARGETS = {"stage": "ray::PipelineStage", "shard": "ray::ExpertShard", "replica": "ServeReplica:k3ray:K3Server"}

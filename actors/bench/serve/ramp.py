@@ -28,10 +28,10 @@ import numpy as np
 
 from k3ray.actors.serve.config import APP_NAME
 from k3ray.bench.common import machine
-from k3ray.evals.serve_bench import datasets
-from k3ray.evals.serve_bench.client import open_session, stream_completion
-from k3ray.evals.serve_bench.load import run_load
-from k3ray.evals.serve_bench.server import local_serve_app, server_facts
+from k3ray.actors.bench.serve import datasets
+from k3ray.actors.bench.serve.client import open_session, stream_completion
+from k3ray.actors.bench.serve.load import run_load
+from k3ray.actors.bench.serve.server import local_serve_app, server_facts
 from k3ray.threads import resolved_threads
 
 POLICIES = ("llm", "ongoing-requests")

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 
 from k3ray.bench.common import machine
-from k3ray.evals.serve_bench.client import RequestResult, open_session, stream_completion
-from k3ray.evals.serve_bench.datasets import BenchRequest, ordinary_token_range, random_requests
-from k3ray.evals.serve_bench.server import server_facts, wait_healthy
+from k3ray.actors.bench.serve.client import RequestResult, open_session, stream_completion
+from k3ray.actors.bench.serve.datasets import BenchRequest, ordinary_token_range, random_requests
+from k3ray.actors.bench.serve.server import server_facts, wait_healthy
 from k3ray.threads import resolved_threads
 
 STREAM_PROMPT, STREAM_TOKENS = 32, 65536  # defaults: the streams are closed once the window ends

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from k3ray.evals.serve_bench.client import RequestResult
-from k3ray.evals.serve_bench.datasets import BenchRequest
+from k3ray.actors.bench.serve.client import RequestResult
+from k3ray.actors.bench.serve.datasets import BenchRequest
 
 
 def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:

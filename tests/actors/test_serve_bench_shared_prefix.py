@@ -1,4 +1,4 @@
-"""`k3ray bench serve --workload shared-prefix` (evals/serve_bench/shared_prefix.py): its
+"""`k3ray bench serve --workload shared-prefix` (actors/bench/serve/shared_prefix.py): its
 conversations, run order, summary and flags; one repeat of a small workload on the module's Serve
 app (three deployments: affinity, default, one replica), whose replicas' own counters must show
 what affinity routing saves; the whole command with repeats is `slow`."""
@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from k3ray.cli import build_parser
-from k3ray.evals.serve_bench import shared_prefix
-from k3ray.evals.serve_bench.shared_prefix import conversations
+from k3ray.actors.bench.serve import shared_prefix
+from k3ray.actors.bench.serve.shared_prefix import conversations
 
 
 def bench_args(*flags: str):
@@ -132,8 +132,8 @@ def test_the_ttft_ratio_and_its_spread_over_one_repeat(one_repeat):
 
 def test_the_other_conversations_start_once_the_openers_had_their_first_turn(one_repeat):
     _, _, url = one_repeat
-    from k3ray.evals.serve_bench.datasets import ordinary_token_range
-    from k3ray.evals.serve_bench.server import server_facts
+    from k3ray.actors.bench.serve.datasets import ordinary_token_range
+    from k3ray.actors.bench.serve.server import server_facts
 
     model, info = server_facts(url, None)
     convs = conversations(4, 2, 64, 16, 2, ordinary_token_range(info), seed=7, groups=2)

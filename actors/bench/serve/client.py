@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from k3ray.evals.serve_bench.datasets import BenchRequest
+from k3ray.actors.bench.serve.datasets import BenchRequest
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`k3ray bench serve --workload pd` (evals/serve_bench/pd.py): the window's gaps, the output
+"""`k3ray bench serve --workload pd` (actors/bench/serve/pd.py): the window's gaps, the output
 comparison, the handoff formula, and a whole run at small sizes (2.6K-token long prompts, two streams)
 on real Serve apps on loopback — colocated, then disaggregated, each pinned core by core."""
 
@@ -6,8 +6,8 @@ import pytest
 
 from k3ray.cli import build_parser
 from k3ray.config import k3_tiny_config
-from k3ray.evals.serve_bench import pd
-from k3ray.evals.serve_bench.client import RequestResult
+from k3ray.actors.bench.serve import pd
+from k3ray.actors.bench.serve.client import RequestResult
 
 KEYS = ("pd_itl_p99_ratio", "pd_outputs_identical", "handoff_bytes_per_token_ratio", "handoff_ms_per_1k_tokens")
 

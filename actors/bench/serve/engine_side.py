@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from k3ray.engine.llm_engine import LLMEngine
-from k3ray.evals.serve_bench.datasets import BenchRequest
+from k3ray.actors.bench.serve.datasets import BenchRequest
 from k3ray.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""`k3ray bench serve --workload ramp` (evals/serve_bench/ramp.py): the ramp's arrival schedule, the
+"""`k3ray bench serve --workload ramp` (actors/bench/serve/ramp.py): the ramp's arrival schedule, the
 replica timeline's figures, and the flags; a whole run (two Serve apps) is `slow`."""
 
 import argparse
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from k3ray.evals.serve_bench import cli, ramp
+from k3ray.actors.bench.serve import cli, ramp
 
 
 def test_the_rate_holds_then_rises_linearly_then_holds():
