@@ -7,9 +7,10 @@ Every expected prompt below is an exact string. Sources (docs/k3-conversation.md
 - "C*" goldens are literal strings from public test files (named per case);
 - "O*" goldens are for the inputs of the release-oracle suite `training/renderer/kimi_k3.py` + its test
   (tinker-cookbook style, oracle moonshotai/Kimi-K3 @301be1b8), and "G*" goldens for the inputs of the router's
-  release-fixture generator `gen_kimi_k3_cases.py`: those expected strings were COMPUTED in the notes (§13b) from
-  the release encoder's rules, with an implementation that reproduces the sha256-pinned release string C1;
-- cases marked "computed here" apply the notes' rules (§2-§10) by hand.
+  release-fixture generator `gen_kimi_k3_cases.py`: those expected strings were COMPUTED from the release
+  encoder's rules (docs/k3-conversation.md), with an implementation that reproduces the sha256-pinned
+  release string C1;
+- cases marked "computed here" apply those rules (docs/k3-conversation.md, "The prompt") by hand.
 k3ray departs from the release on purpose in two places, tested as such: `developer` renders as `system`
 (as vLLM's renderer converts it), and `continue_final_message` leaves the final assistant message open.
 """
@@ -141,7 +142,7 @@ GOLDENS = [
         '<|open|>message role="user"<|sep|>test<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )),
-    # O1..O7: release-oracle suite inputs (training/renderer/kimi_k3.py test, id 62161670490); computed in the notes.
+    # O1..O7: release-oracle suite inputs (training/renderer/kimi_k3.py test, id 62161670490); computed from the release's rules.
     ("O1_thinking_max_tools", SIX_BY_SEVEN,
      dict(tools=TOOLS_ORACLE, options=ChatOptions(thinking=True, thinking_effort="max")), (
         '<|open|>message role="system" type="tool-declare"<|sep|># Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n[{"function":{"description":"Get weather for a city.","name":"get_weather","parameters":{"properties":{"city":{"type":"string"},"unit":{"enum":["celsius","fahrenheit"],"type":"string"}},"required":["city"],"type":"object"}},"type":"function"},{"function":{"description":"Evaluate an arithmetic expression.","name":"calculate","parameters":{"properties":{"expression":{"type":"string"}},"required":["expression"],"type":"object"}},"type":"function"}]\n```<|close|>message<|sep|><|end_of_msg|>'
@@ -198,7 +199,7 @@ GOLDENS = [
         '<|open|>message role="system" type="response-format"<|sep|>The system is invoked with `response_format=json_schema`.\nYour response must be raw JSON data without markdown code blocks (```json) or any additional formatting.\nThe JSON data must match the following schema:\n```json\n{"properties":{"answer":{"type":"integer"}},"required":["answer"],"type":"object"}\n```<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )),
-    # O8: the suite's PARALLEL_TOOL_MESSAGES, full history, add_generation_prompt=False; computed in the notes.
+    # O8: the suite's PARALLEL_TOOL_MESSAGES, full history, add_generation_prompt=False; computed from the release's rules.
     ("O8_parallel_full_history", PARALLEL_FULL, dict(tools=TOOLS_ORACLE, add_generation_prompt=False), (
         '<|open|>message role="system" type="tool-declare"<|sep|># Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n[{"function":{"description":"Get weather for a city.","name":"get_weather","parameters":{"properties":{"city":{"type":"string"},"unit":{"enum":["celsius","fahrenheit"],"type":"string"}},"required":["city"],"type":"object"}},"type":"function"},{"function":{"description":"Evaluate an arithmetic expression.","name":"calculate","parameters":{"properties":{"expression":{"type":"string"}},"required":["expression"],"type":"object"}},"type":"function"}]\n```<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=max`.<|close|>message<|sep|><|end_of_msg|>'
@@ -211,7 +212,7 @@ GOLDENS = [
         '<|open|>message role="user"<|sep|>Repeat only the number. 🔢<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>42<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>'
     )),
-    # O9: the same cut after the (reordered) tool results, with a generation prompt; computed in the notes.
+    # O9: the same cut after the (reordered) tool results, with a generation prompt; computed from the release's rules.
     ("O9_parallel_reordered_results", PARALLEL_HISTORY, dict(tools=TOOLS_ORACLE), (
         '<|open|>message role="system" type="tool-declare"<|sep|># Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n[{"function":{"description":"Get weather for a city.","name":"get_weather","parameters":{"properties":{"city":{"type":"string"},"unit":{"enum":["celsius","fahrenheit"],"type":"string"}},"required":["city"],"type":"object"}},"type":"function"},{"function":{"description":"Evaluate an arithmetic expression.","name":"calculate","parameters":{"properties":{"expression":{"type":"string"}},"required":["expression"],"type":"object"}},"type":"function"}]\n```<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=max`.<|close|>message<|sep|><|end_of_msg|>'
@@ -222,7 +223,7 @@ GOLDENS = [
         '<|open|>message role="tool" tool="calculate" index="2"<|sep|>{"result": 42}<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )),
-    # O11, O12: the suite's history cuts; computed in the notes.
+    # O11, O12: the suite's history cuts; computed from the release's rules.
     ("O11_assistant_only", [{"role": "assistant", "content": "Already answered."}], dict(), (
         '<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=max`.<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>Already answered.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>'
@@ -237,7 +238,7 @@ GOLDENS = [
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )),
     # O13: the suite's image case, symbolic placeholder (apply_chat_template(tokenize=False) with no image_prompts);
-    # computed in the notes. The suite's part is {"type": "image"}; k3ray takes OpenAI's image_url part (the
+    # computed from the release's rules. The suite's part is {"type": "image"}; k3ray takes OpenAI's image_url part (the
     # release encoder treats both alike) - see test_image_typed_part_renders_like_image_url.
     ("O13_image_placeholder", [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
@@ -246,7 +247,7 @@ GOLDENS = [
         '<|open|>message role="user"<|sep|><|kimi_image_placeholder|>Describe this image.<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )),
-    # O13b: the same with image_prompts=['<|media_pad|>'] (token-in form); computed in the notes.
+    # O13b: the same with image_prompts=['<|media_pad|>'] (token-in form); computed from the release's rules.
     ("O13b_image_one_pad", [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
         {"type": "text", "text": "Describe this image."}]}], dict(media_prompt=one_pad_image), (
@@ -254,7 +255,7 @@ GOLDENS = [
         '<|open|>message role="user"<|sep|><|media_pad|>Describe this image.<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )),
-    # G*: inputs of gen_kimi_k3_cases.py (id 59861092785); expected strings computed in the notes.
+    # G*: inputs of gen_kimi_k3_cases.py (id 59861092785); expected strings computed from the release's rules.
     ("G1_multiturn_with_reasoning", MULTITURN, dict(), (
         '<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=max`.<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="system"<|sep|>You are helpful.<|close|>message<|sep|><|end_of_msg|>'
@@ -400,7 +401,7 @@ GOLDENS = [
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )),
     # named tool_choice: the release encoder only compares tool_choice to "required"/"none", so a dict injects
-    # nothing (notes §8; vLLM's renderer passes it as a dict): the same prompt as C5. Computed here.
+    # nothing (docs/k3-conversation.md, "The prompt"; vLLM's renderer passes it as a dict): the same prompt as C5. Computed here.
     ("named_tool_choice_injects_nothing", [{"role": "user", "content": "hi"}],
      dict(tools=[WEATHER], options=ChatOptions(tool_choice=NAMED_CHOICE)), (
         '<|open|>message role="system" type="tool-declare"<|sep|># Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n[{"function":{"description":"current weather","name":"get_weather","parameters":{"properties":{"city":{"type":"string"}},"type":"object"}},"type":"function"}]\n```<|close|>message<|sep|><|end_of_msg|>'
@@ -408,7 +409,7 @@ GOLDENS = [
         '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )),
-    # tool_choice auto: nothing injected (notes §8). Computed here: the same prompt as C5.
+    # tool_choice auto: nothing injected (docs/k3-conversation.md, "The prompt"). Computed here: the same prompt as C5.
     ("tool_choice_auto_injects_nothing", [{"role": "user", "content": "hi"}],
      dict(tools=[WEATHER], options=ChatOptions(tool_choice="auto")), (
         '<|open|>message role="system" type="tool-declare"<|sep|># Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n[{"function":{"description":"current weather","name":"get_weather","parameters":{"properties":{"city":{"type":"string"}},"type":"object"}},"type":"function"}]\n```<|close|>message<|sep|><|end_of_msg|>'
@@ -416,7 +417,7 @@ GOLDENS = [
         '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )),
-    # thinking off with an effort: no preamble (the release emits it only if thinking; notes §7). Same as C4.
+    # thinking off with an effort: no preamble (the release emits it only if thinking; docs/k3-conversation.md, "The prompt"). Same as C4.
     ("thinking_off_ignores_effort", [{"role": "user", "content": "hi"}],
      dict(options=ChatOptions(thinking=False, thinking_effort="low")), (
         '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
@@ -458,7 +459,7 @@ GOLDENS = [
         '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
      )),
     # response_format json_schema whose schema sits under "json_schema" (extract_response_schema:
-    # js.get("schema", js.get("json_schema", js)), notes §9). Computed here.
+    # js.get("schema", js.get("json_schema", js)), docs/k3-conversation.md, "The prompt"). Computed here.
     ("response_format_schema_under_json_schema_key", [{"role": "user", "content": "hi"}],
      dict(options=ChatOptions(thinking=False, response_format={"type": "json_schema", "json_schema": {
          "name": "x", "json_schema": {"type": "object", "properties": {}}}})),
@@ -467,13 +468,13 @@ GOLDENS = [
         '<|open|>message role="system" type="response-format"<|sep|>The system is invoked with `response_format=json_schema`.\nYour response must be raw JSON data without markdown code blocks (```json) or any additional formatting.\nThe JSON data must match the following schema:\n```json\n{"properties":{},"type":"object"}\n```<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
      )),
-    # response_format "text": nothing injected (notes §9). Same as C4.
+    # response_format "text": nothing injected (docs/k3-conversation.md, "The prompt"). Same as C4.
     ("response_format_text_injects_nothing", [{"role": "user", "content": "hi"}],
      dict(options=ChatOptions(thinking=False, response_format={"type": "text"})), (
         '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
     )),
-    # a tool result named by its "name" when its id matches nothing (notes §2 tool: message["tool"] else
+    # a tool result named by its "name" when its id matches nothing (docs/k3-conversation.md, "The prompt"; tool: message["tool"] else
     # message["name"]); index still positional. Computed here.
     ("tool_result_named_by_name", [
         {"role": "user", "content": "go"},
@@ -539,7 +540,7 @@ def test_an_image_url_part_renders_the_release_placeholder():
 
 def test_json_schema_without_a_schema_prints_null():
     """Release `extract_response_schema`: rf["json_schema"] None -> schema None, printed as json.dumps(None)
-    = `null` (notes §9, "If no schema -> `null` is printed"). Computed here."""
+    = `null` (docs/k3-conversation.md, "The prompt"; "If no schema -> `null` is printed"). Computed here."""
     options = ChatOptions(thinking=False, response_format={"type": "json_schema", "json_schema": None})
     assert render([{"role": "user", "content": "hi"}], options=options) == (
         '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
