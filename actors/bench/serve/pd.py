@@ -80,7 +80,7 @@ def handoff_formula_bytes(model: str | None, dtype: str, tokens_sent: int, hando
     import torch
 
     from k3ray.default_model import checkpoint_dir
-    from k3ray.engine.cache_manager import state_slot_bytes
+    from k3ray.engine.core.cache_manager import state_slot_bytes
     from k3ray.weights.checkpoint_dir import read_config
 
     config = read_config(checkpoint_dir(model))
