@@ -124,7 +124,6 @@ def test_long_prompts_are_token_exact_cuts_of_the_corpus():
 
 
 def test_bench_serve_end_to_end_emits_every_key(tmp_path):
-    pytest.importorskip("ray")
     out = tmp_path / "serve.json"
     argv = ["bench", "serve", "--concurrency", "1,2", "--num-prompts", "3", "--prompt-tokens", "16", "--max-tokens", "4",
             "--request-rate", "50", "--burstiness", "0.5", "--goodput", "ttft:600000", "tpot:600000",
