@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 
-from k3ray.actors.pipeline.moe_dispatch_modes import DEFAULT_MOE_DISPATCH, MOE_DISPATCH_MODES
+from k3ray.actors.pipeline.config import DEFAULT_MOE_DISPATCH, MOE_DISPATCH_MODES
 from k3ray.bench.common import machine
 from k3ray.cli_flags import add_deprecated_alias
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
     # lazy: ray and torch stay out of `k3ray bench --help` (it loads every benchmark)
     import torch
 
-    from k3ray.actors.pipeline.protocol import ParallelConfig
+    from k3ray.actors.pipeline.config import ParallelConfig
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -18,7 +18,7 @@ import torch
 
 from k3ray.actors.pipeline.executor import RayExecutor
 from k3ray.actors.pipeline.expert_placement import Placement, max_over_mean
-from k3ray.actors.pipeline.protocol import ParallelConfig
+from k3ray.actors.pipeline.config import ParallelConfig
 from k3ray.weights import load_model
 from k3ray.weights.writer import save_checkpoint
 

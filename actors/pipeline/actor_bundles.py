@@ -3,7 +3,7 @@ stages, each MoE stage's router and expert shards, then the vision encoder. Ray-
 
 from __future__ import annotations
 
-from k3ray.actors.pipeline.protocol import ParallelConfig
+from k3ray.actors.pipeline.config import ParallelConfig
 from k3ray.capacity import split_range
 from k3ray.config import ModelConfig
 

@@ -44,7 +44,8 @@ from k3ray.actors.pipeline.expert_shard import ExpertShard
 from k3ray.actors.pipeline.faults import ALIVE, REPLACED, RESTARTED, PipelineFaults
 from k3ray.actors.pipeline.moe_dispatch import ShardMap
 from k3ray.actors.pipeline.moe_router import MoERouter
-from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, PipelineLost, StageFailure, WirePlan
+from k3ray.actors.pipeline.config import ParallelConfig
+from k3ray.actors.pipeline.protocol import CacheSpec, PipelineLost, StageFailure, WirePlan
 from k3ray.actors.pipeline.stage import PipelineStage
 from k3ray.actors.pipeline.stage_records import NIXL, PartOwnerLostError, StageRecords, handoff_transport
 from k3ray.actors.pipeline.vision_encoder import VisionEncoder

@@ -16,7 +16,8 @@ import torch
 from k3ray.actors.pipeline.actor_device import assigned_device, placement_info
 from k3ray.actors.pipeline.expert_placement import Placement
 from k3ray.actors.pipeline.moe_dispatch import DirectDispatch, MoEDispatch, RemoteExperts, make_dispatch
-from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig, StageFailure, WirePlan
+from k3ray.actors.pipeline.config import ParallelConfig
+from k3ray.actors.pipeline.protocol import CacheSpec, StageFailure, WirePlan
 from k3ray.actors.pipeline.restartable import Restartable
 from k3ray.actors.pipeline.stage_records import NIXL, OBJECT_STORE, fetch_part, leave_part, own_part_on_host
 from k3ray.actors.pipeline.wire import Bundle, pack, unpack, unpack_tagged

@@ -24,7 +24,7 @@ import ray
 import torch
 from ray.experimental.rdt import set_target_device_for_ref
 
-from k3ray.actors.pipeline.protocol import ParallelConfig
+from k3ray.actors.pipeline.config import ParallelConfig
 from k3ray.engine.disagg.handoff import CacheRecord, RemoteCacheRecord
 
 NIXL = "nixl"

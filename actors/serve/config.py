@@ -13,11 +13,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from k3ray.actors.openai.limits import DEFAULT_MAX_BODY_BYTES
-from k3ray.actors.pipeline.moe_dispatch_modes import (
+from k3ray.actors.pipeline.config import (
     DEFAULT_MOE_DISPATCH,
     DEFAULT_REBALANCE_STEPS,
     DEFAULT_REDUNDANT_EXPERTS,
     MoEDispatchMode,
+    ParallelConfig,
 )
 from k3ray.default_model import checkpoint_dir
 
@@ -254,10 +255,7 @@ class ServeArgs(Settings):
         return self.model_copy(update={"model": self.model.model_copy(update={"model": path, "tokenizer": tokenizer}),
                                        "server": self.server.model_copy(update={"served_model_name": name})})
 
-    def parallel_config(self):
-        # lazy: torch (under protocol) stays out of `k3ray serve --help` and --print-config
-        from k3ray.actors.pipeline.protocol import ParallelConfig
-
+    def parallel_config(self) -> ParallelConfig:
         p = self.parallel
         return ParallelConfig(
             pipeline=p.pipeline, expert_parallel=p.expert_parallel,

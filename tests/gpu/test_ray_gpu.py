@@ -9,7 +9,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 ray = pytest.importorskip("ray")
 
 from k3ray.actors.pipeline.executor import RayExecutor  # noqa: E402
-from k3ray.actors.pipeline.protocol import CacheSpec, ParallelConfig  # noqa: E402
+from k3ray.actors.pipeline.config import ParallelConfig  # noqa: E402
+from k3ray.actors.pipeline.protocol import CacheSpec  # noqa: E402
 from k3ray.engine.execution.plan import BatchPlan  # noqa: E402
 from k3ray.models.forward_batch import ModelCache  # noqa: E402
 from k3ray.weights import load_model  # noqa: E402
