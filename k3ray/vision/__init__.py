@@ -1,7 +1,7 @@
 """K3's vision side: the MoonViT3d tower, the PatchMergerMLPV2 projector, media preprocessing
 (images and videos) and placeholder handling. Pure PyTorch + Pillow; no Ray."""
 
-from k3ray.vision.config import VISION_NORM_EPS, MediaConfig
+from k3ray.config import VISION_NORM_EPS, MediaConfig
 from k3ray.vision.media import data_url_bytes, pack_media, preprocess_media
 from k3ray.vision.model import K3VisionModel, build_vision_model, checked_grid, encode_media
 from k3ray.vision.placeholders import ExpandedPrompt, expand_placeholders, media_token_count, splice_media_embeddings

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from k3ray.vision.config import MediaConfig
+from k3ray.config import MediaConfig
 from k3ray.vision.preprocess import PixelBudget, ProcessedMedia, preprocess_image
 from k3ray.vision.video import preprocess_video
 

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from k3ray.config import VisionConfig
-from k3ray.vision.config import ROPE_MAX_GRID
+from k3ray.config import ROPE_MAX_GRID, VisionConfig
 from k3ray.vision.merger import tpool_patch_merger
 from k3ray.vision.projector import PatchMergerMLPV2
 from k3ray.vision.tower import MoonViT3d

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3ray.vision.config import TEMPORAL_THETA
+from k3ray.config import TEMPORAL_THETA
 
 Grid = list[tuple[int, int, int]]
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from k3ray.vision.config import MediaConfig
+from k3ray.config import MediaConfig
 
 CHESS_SQUARE = 8
 CHESS_LIGHT, CHESS_DARK = 255, 180

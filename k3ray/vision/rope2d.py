@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from k3ray.vision.config import ROPE_THETA
+from k3ray.config import ROPE_THETA
 
 Grid = list[tuple[int, int, int]]
 

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3ray.config import VisionConfig
-from k3ray.vision.config import VISION_NORM_EPS
+from k3ray.config import VISION_NORM_EPS, VisionConfig
 from k3ray.vision.norm import VisionRMSNorm
 from k3ray.vision.pos_emb import DividedFixedPosEmb
 from k3ray.vision.rope2d import apply_rope2d, rope2d_angles

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from PIL import Image
 
-from k3ray.vision.config import MediaConfig
+from k3ray.config import MediaConfig
 from k3ray.vision.preprocess import (
     ImageSource,
     PixelBudget,

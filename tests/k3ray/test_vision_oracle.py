@@ -15,9 +15,8 @@ from transformers.models.kimi_k25 import modeling_kimi_k25 as hf
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig
 from transformers.vision_utils import get_vision_position_ids
 
-from k3ray.config import k3_config, k3_tiny_config
+from k3ray.config import VISION_NORM_EPS, k3_config, k3_tiny_config
 from k3ray.testing import assert_close, rel_rmse
-from k3ray.vision.config import VISION_NORM_EPS
 from k3ray.vision.merger import tpool_patch_merger
 from k3ray.vision.model import build_vision_model
 from k3ray.vision.norm import VisionRMSNorm
