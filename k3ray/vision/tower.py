@@ -75,7 +75,9 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm1(x))
 
 
-class VisionEncoder(nn.Module):
+class VisionBlockStack(nn.Module):
+    """The tower's blocks and final norm: `encoder.*` in the published names."""
+
     def __init__(self, c: VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.head_dim = c.head_dim
@@ -97,7 +99,7 @@ class MoonViT3d(nn.Module):
     def __init__(self, c: VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.patch_embed = PatchEmbed(c, dtype)
-        self.encoder = VisionEncoder(c, dtype)
+        self.encoder = VisionBlockStack(c, dtype)
 
     def forward(self, pixel_values: torch.Tensor, grid: Grid) -> torch.Tensor:
         return self.encoder(self.patch_embed(pixel_values, grid), grid)
