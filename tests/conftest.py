@@ -254,22 +254,33 @@ def wait_until_serving():
     return wait
 
 
+SERVE_PROBE = """
+import sys
+from k3ray.cli import main
+try:
+    code = main(["serve", *sys.argv[1:]])
+finally:
+    print("ray imported:", "ray" in sys.modules)
+sys.exit(code)
+"""
+
+
 @pytest.fixture
 def serve_error_line():
-    """`serve_error_line(flags, cwd) -> (line, seconds, stdout)`: `k3ray serve FLAGS` run in `cwd` must
-    exit 2 with one stderr line, `k3ray serve: error: ...`; that line, how long it took, its stdout."""
+    """`serve_error_line(flags, cwd) -> (line, stdout)`: `k3ray serve FLAGS` run in `cwd` must exit 2
+    with one stderr line, `k3ray serve: error: ...`, without importing Ray (found before anything
+    starts); that line, and its stdout."""
     import subprocess
     import sys
-    import time
 
-    def run(flags: list[str], cwd) -> tuple[str, float, str]:
-        t0 = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "k3ray.cli", "serve", *flags], capture_output=True, text=True,
-                             timeout=120, cwd=cwd)
-        took = time.monotonic() - t0
+    def run(flags: list[str], cwd) -> tuple[str, str]:
+        out = subprocess.run([sys.executable, "-c", SERVE_PROBE, *flags], capture_output=True, text=True, timeout=120,
+                             cwd=cwd)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
         assert lines[0].startswith("k3ray serve: error: "), lines[0]
-        return lines[0], took, out.stdout
+        *stdout, ray_imported = out.stdout.splitlines()
+        assert ray_imported == "ray imported: False", "Ray was imported before the error"
+        return lines[0], "\n".join(stdout)
 
     return run

@@ -86,17 +86,17 @@ def checkpoint_without_tokenizer(checkpoint: str, into: pathlib.Path) -> str:
 
 
 @pytest.mark.parametrize("case", ["no checkpoint", "no tokenizer", "layout too large"])
-def test_bad_checkpoint_or_layout_fails_fast_in_one_line(tiny_checkpoint, tmp_path, case, serve_error_line):
-    """Found before Ray or Serve start: the command exits with one `k3ray serve: error:` line in seconds
-    (it used to start Serve and crash minutes later, or wait forever for resources)."""
+def test_bad_checkpoint_or_layout_fails_in_one_line_before_ray(tiny_checkpoint, tmp_path, case, serve_error_line):
+    """Found before Ray is imported (serve_error_line checks it): the command exits with one `k3ray serve:
+    error:` line (it used to start Serve and crash minutes later, or wait forever for resources)."""
     flags, words = {
         "no checkpoint": (["--model", "/does/not/exist"], "is not a directory"),
         "no tokenizer": (["--model", checkpoint_without_tokenizer(tiny_checkpoint, tmp_path / "ckpt")], "no tokenizer"),
         "layout too large": (["--model", tiny_checkpoint, "--pipeline", "2", "--expert-parallel", "2",
                               "--num-cpus", "2"], "CPUs, but 2 are available"),
     }[case]
-    line, took, stdout = serve_error_line(flags, tmp_path)
-    assert words in line and took < 10, (line, took)
+    line, stdout = serve_error_line(flags, tmp_path)
+    assert words in line, line
     assert "ray" not in stdout.lower()  # nothing was started
 
 
@@ -147,17 +147,15 @@ def serve_command(checkpoint: str, tmp_path, *flags: str):
 
 
 def ctrl_c_stops_everything(proc, log_path, tree: list[psutil.Process]) -> None:
-    """Ctrl-C: the command exits 0 and nothing it started runs 15 s later (test_serve_stop.py has the
-    other signals)."""
+    """Ctrl-C: the command exits 0, and nothing it started runs once it has exited: it stops what
+    outlived Ray's shutdown before it exits (test_serve_stop.py has the other signals)."""
     tree[:] = psutil.Process(proc.pid).children(recursive=True)
     assert tree, "Ray's processes should be children of the command"
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
     assert "graceful_shutdown failed" not in log_path.read_text()  # a clean stop logs no killed task
-    _, alive = psutil.wait_procs(tree, timeout=60)
+    alive = [p for p in tree if _running(p)]
     assert not alive, [_described(p) for p in alive]
-    assert time.monotonic() - t0 < 15, f"stopped after {time.monotonic() - t0:.1f} s"
 
 
 def test_leftover_processes_are_waited_for_then_terminated_then_killed():
@@ -176,6 +174,14 @@ def test_leftover_processes_are_waited_for_then_terminated_then_killed():
     assert [p.pid for p in stopped] == [polite.pid, stubborn.pid]
     assert [p.returncode for p in processes] == [0, -signal.SIGTERM, -signal.SIGKILL]
     assert not any(p.is_running() for p in processes)
+
+
+def _running(p: psutil.Process) -> bool:
+    """Still running (a zombie has exited: only its parent has yet to reap it)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _described(p: psutil.Process) -> str:
