@@ -240,7 +240,10 @@ class FunctionCall(OpenAIModel):
     arguments: Any = None  # JSON text, or any JSON value (rendered as JSON)
 
 
-class ToolCall(OpenAIModel):
+class MessageToolCall(OpenAIModel):
+    """A call in an assistant message the client sends back (the model's own, parsed from its output, is
+    k3ray.tokenizer.tool_calls.ToolCall)."""
+
     model_config = ConfigDict(extra="allow")
 
     id: str | None = None
@@ -255,7 +258,7 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
 
