@@ -72,10 +72,11 @@ def test_ray_pipeline_equals_local(ray_cluster, tiny_checkpoint, local_model, pi
 @pytest.mark.parametrize("dispatch, victim", [("router", "expert shard 4-7 of stage 1"),
                                               ("direct", "expert shard 4-7 of stage 1"),
                                               ("compiled", "expert shard 4-7 of stage 1"), ("compiled", "stage 1")])
-def test_dead_actor_fails_the_step_fast_then_recovers(ray_cluster, tiny_checkpoint, local_model, dispatch, victim):
-    """An actor dies between a request's prefill and decode. With compiled dispatch a dead shard
-    breaks the stage's compiled graph (compiled again over the restarted shard), and a restarted
-    stage restarts its shards, which the dead stage's graph still holds."""
+def test_dead_actor_fails_the_step_then_recovers(ray_cluster, tiny_checkpoint, local_model, dispatch, victim):
+    """An actor dies between a request's prefill and decode: the step fails on the death itself, not
+    on call_timeout_s. With compiled dispatch a dead shard breaks the stage's compiled graph (compiled
+    again over the restarted shard), and a restarted stage restarts its shards, which the dead
+    stage's graph still holds."""
     parallel = ParallelConfig(2, 2, call_timeout_s=60, moe_dispatch=dispatch, **ON_NODES)
     runner = RayExecutor(tiny_checkpoint, parallel, SPEC)
     try:
@@ -84,10 +85,9 @@ def test_dead_actor_fails_the_step_fast_then_recovers(ray_cluster, tiny_checkpoi
         runner.step(first)
         _, actor = next((n, h) for n, h in runner.actors() if n.startswith(victim))
         ray.kill(actor, no_restart=False)  # dies between the prefill and the decode of the request
-        t0 = time.monotonic()
-        with pytest.raises(StageFailure, match="died|failed"):
+        with pytest.raises(StageFailure, match="died|failed") as failed:
             runner.step(second)
-        assert time.monotonic() - t0 < 60
+        assert "timed out" not in str(failed.value) and "Timeout" not in str(failed.value), failed.value
         # the shard restarts and reloads its weights; a new request succeeds and is correct
         deadline = time.monotonic() + 120
         while not runner.health()["healthy"]:
@@ -127,9 +127,8 @@ def test_node_that_leaves_shows_in_health_and_fails_steps(ray_cluster, tiny_chec
         assert not report["healthy"]
         assert any(v != "alive" for k, v in report["actors"].items() if k.startswith("expert shard"))
         ids = torch.randint(0, 256, (4,))
-        t0 = time.monotonic()
-        with pytest.raises(StageFailure):
+        with pytest.raises(StageFailure) as failed:
             runner.step(next(steps(ids, [4])))
-        assert time.monotonic() - t0 < 60
+        assert "timed out" not in str(failed.value), failed.value  # refused for its dead actors
     finally:
         runner.shutdown()
