@@ -5,6 +5,7 @@ output is read as channels: test_serve_xtml.py)."""
 
 import json
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -251,21 +252,22 @@ def test_health_and_metrics(client, server):
 PROBE_STREAMS = 200  # 8 run (max_num_seqs), 192 wait in the replica's queue
 
 
-def test_health_ready_and_metrics_answer_in_under_100_ms_while_200_streams_run(server):
+def test_health_ready_and_metrics_answer_outside_the_queue_while_200_streams_run(server):
     """HAProxy answers /health and /ready itself and sends /metrics to the replica's metrics listener,
-    all outside the replica's request queue: streams that fill the replica and its queue do not slow
-    them (under 300 streams they took 23 s before). Then the clients leave, and the engine must be idle
-    within 60 s (generating the streams to the end took about 100 s here).
-    Timed by curl, so the test's own streams do not hold the clock."""
+    all outside the replica's request queue: while streams fill the replica and its queue, each probe
+    is answered by HAProxy or the listener (under 300 streams they queued for 23 s before). Then the
+    clients leave, and their generations are cancelled: the engine goes idle having generated fewer
+    tokens than the streams asked for. Probed by curl, outside the test's own event loop."""
     import asyncio
     import subprocess
 
-    def probe(path: str) -> tuple[int, float, float, str]:
-        """(status, seconds, seconds to connect, who answered: "ingress" for HAProxy itself)."""
-        fmt = "%{http_code} %{time_total} %{time_connect} %header{x-k3ray-answered-by}-"
-        out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", fmt, f"{server}{path}"],
-                             capture_output=True, text=True, timeout=30).stdout.split()
-        return int(out[0]), float(out[1]), float(out[2]), out[3].rstrip("-") or "replica"
+    def probe(path: str) -> tuple[int, str]:
+        """(status, who answered: "ingress" for HAProxy itself, "listener" for the replica's metrics
+        listener, which is Python's http.server, "replica" otherwise)."""
+        fmt = "%{http_code}|%header{x-k3ray-answered-by}|%header{server}"
+        status, by, software = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", fmt, f"{server}{path}"],
+                                              capture_output=True, text=True, timeout=30).stdout.split("|")
+        return int(status), by or ("listener" if software.startswith("BaseHTTP/") else "replica")
 
     def haproxy_pids() -> set[int]:
         """This server's HAProxy processes (their config lies in its runtime folder): a reload shows."""
@@ -281,7 +283,7 @@ def test_health_ready_and_metrics_answer_in_under_100_ms_while_200_streams_run(s
                 pass
 
     async def under_load() -> list[tuple]:
-        """(path, status, seconds, connect seconds, who answered, streams still open when it answered) per probe."""
+        """(path, status, who answered, streams still open when it answered) per probe."""
         limits = httpx.Limits(max_connections=PROBE_STREAMS)
         async with httpx.AsyncClient(base_url=server, timeout=600, limits=limits) as http:
             tasks = [asyncio.create_task(stream(http)) for _ in range(PROBE_STREAMS)]
@@ -296,26 +298,27 @@ def test_health_ready_and_metrics_answer_in_under_100_ms_while_200_streams_run(s
             await asyncio.gather(*tasks, return_exceptions=True)
             return probes
 
-    def busy() -> tuple[float, float]:
-        """(running, waiting) sequences in the replica's engine, from /metrics."""
-        values = dict(line.rsplit(" ", 1) for line in httpx.get(f"{server}/metrics").text.splitlines()
-                      if line.startswith(("k3ray:num_requests_running", "k3ray:num_requests_waiting")))
-        return tuple(float(v) for k, v in sorted(values.items()))
+    def engine() -> dict[str, float]:
+        """Running and waiting sequences and tokens generated in the replica's engine, from /metrics."""
+        names = ("k3ray:num_requests_running", "k3ray:num_requests_waiting", "k3ray:generation_tokens_total")
+        return {k.split("{")[0]: float(v) for k, v in (line.rsplit(" ", 1) for line in
+                httpx.get(f"{server}/metrics").text.splitlines() if line.startswith(names))}
 
+    generated_before = engine()["k3ray:generation_tokens_total"]
     pids_before = haproxy_pids()
     probes = asyncio.run(under_load())
     seen = f"probes {probes}; HAProxy processes before {sorted(pids_before)}, after {sorted(haproxy_pids())}"
     loaded = [p for p in probes if p[-1] > 8]  # replica full, requests queued
-    print(f"/health, /ready, /metrics under {PROBE_STREAMS} streams: {len(loaded)} probes under full load, "
-          f"max {max(p[2] for p in loaded) * 1000 if loaded else float('nan'):.1f} ms; {seen}")
+    print(f"/health, /ready, /metrics under {PROBE_STREAMS} streams: {len(loaded)} probes under full load; {seen}")
     assert len(loaded) >= 6, seen  # the load outlasted two rounds of probes at least
-    assert all(p[1] == 200 for p in probes), seen
-    assert all(answered_by == "ingress" for path, _, _, _, answered_by, _ in probes if path != "/metrics"), seen
-    assert max(p[2] for p in loaded) < 0.1, seen
-    deadline = time.monotonic() + 60  # 200 x 128 tokens take about 100 s to generate here
-    while busy() != (0.0, 0.0):
-        assert time.monotonic() < deadline, f"the closed streams still hold the engine: {busy()}"
+    assert all(status == 200 for _, status, _, _ in probes), seen
+    assert all(by == ("listener" if path == "/metrics" else "ingress") for path, _, by, _ in probes), seen
+    deadline = time.monotonic() + 300  # generous: generating all 200 x 128 tokens took about 100 s here
+    while (now := engine())["k3ray:num_requests_running"] or now["k3ray:num_requests_waiting"]:
+        assert time.monotonic() < deadline, f"the closed streams still hold the engine: {now}"
         time.sleep(0.5)
+    generated = now["k3ray:generation_tokens_total"] - generated_before
+    assert generated < PROBE_STREAMS * 128, f"the closed streams were generated to the end: {generated} tokens"
 
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
@@ -383,9 +386,10 @@ def test_parameters_the_model_cannot_honour_are_refused(client, kw, param):
     assert e.value.body["param"] == param
 
 
-def test_a_request_beside_a_50000_string_enum_schema_finishes_in_under_5_s(client, k3server_replicas):
+def test_a_request_beside_a_50000_string_enum_schema_finishes_while_it_compiles(client, server, k3server_replicas):
     """The enum's grammar takes minutes and gigabytes to compile: it does so in a grammar worker, off
-    the engine's step, until a limit makes it a 400; the engine process does not grow."""
+    the engine's step, until a limit makes it a 400; a request sent once the schema waits in the
+    engine is answered before it (it used to time out after 120 s); the engine process does not grow."""
     engines = [p for r in k3server_replicas() for p in r.children() if "engine_core_proc" in " ".join(p.cmdline())]
     before = sum(p.memory_info().rss for p in engines)
     schema = {"type": "object", "properties": {"color": {"enum": [f"color-{i:05d}" for i in range(50_000)]}},
@@ -394,12 +398,13 @@ def test_a_request_beside_a_50000_string_enum_schema_finishes_in_under_5_s(clien
         large = pool.submit(client.chat.completions.create, model=MODEL, messages=[{"role": "user", "content": "Pick"}],
                             max_tokens=16, response_format={"type": "json_schema",
                                                             "json_schema": {"name": "color", "schema": schema}})
-        time.sleep(3)  # the large schema has reached the engine
-        start = time.monotonic()
+        deadline = time.monotonic() + 120
+        while not re.search(r"^k3ray:num_requests_waiting\{[^}]*\} [1-9]", httpx.get(f"{server}/metrics").text, re.M):
+            assert time.monotonic() < deadline and not large.done(), "the large schema never waited in the engine"
+            time.sleep(0.1)
         r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0,
                                       extra_body={"ignore_eos": True})
-        took = time.monotonic() - start
-        assert r.usage.completion_tokens == 4 and took < 5, took
+        assert r.usage.completion_tokens == 4 and not large.done(), "answered only once the large one was"
         with pytest.raises(openai.BadRequestError) as e:
             large.result(timeout=300)
     assert e.value.body["param"] == "response_format"
