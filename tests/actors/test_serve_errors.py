@@ -249,17 +249,17 @@ def test_overload_answers_429_with_retry_after(server, http):
 
 def test_a_queue_full_of_prompt_tokens_answers_429_at_once(queue_server):
     """One stream holds the engine's only sequence; of two 10-token requests behind it, the first
-    waits in the replica's queue and the second would take it past 16 tokens: a fast 429, whose
-    Retry-After is the configured 2 s or the queue's expected wait if longer (3 s seen on a loaded
-    machine), the same figure its message gives."""
+    waits in the replica's queue and the second would take it past 16 tokens: a 429 while the stream
+    still runs (the engine has finished nothing since), whose Retry-After is the configured 2 s or
+    the queue's expected wait if longer (3 s seen on a loaded machine), the same figure its message
+    gives."""
     resp, client, _lines = hold_a_stream(queue_server)
-    results: dict[int, tuple[httpx.Response, float]] = {}
+    finished_before = finished_requests(queue_server)
+    results: dict[int, httpx.Response] = {}
 
     def call(i: int) -> None:
-        t0 = time.monotonic()
-        r = httpx.post(f"{queue_server}/v1/completions", headers=AUTH, timeout=120,
-                       json={"model": MODEL, "prompt": "x" * 10, "max_tokens": 2})
-        results[i] = (r, time.monotonic() - t0)
+        results[i] = httpx.post(f"{queue_server}/v1/completions", headers=AUTH, timeout=120,
+                                json={"model": MODEL, "prompt": "x" * 10, "max_tokens": 2})
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
     try:
@@ -269,17 +269,23 @@ def test_a_queue_full_of_prompt_tokens_answers_429_at_once(queue_server):
         while not results:
             assert time.monotonic() < deadline, "neither request was answered while the stream ran"
             time.sleep(0.05)
-        ((refused, took),) = results.values()
+        (refused,) = results.values()
+        assert finished_requests(queue_server) == finished_before, "the 429 waited for the stream to end"
         error, retry = error_of(refused, 429), refused.headers["retry-after"]
         assert error["code"] == "queue_full" and 2 <= int(retry) <= 60, retry
         assert f"retry after {retry} s" in error["message"], error
-        assert took < 5, took
     finally:
         resp.close()
         client.close()
         for t in threads:
             t.join(timeout=120)
-    assert sorted(r.status_code for r, _ in results.values()) == [200, 429]
+    assert sorted(r.status_code for r in results.values()) == [200, 429]
+
+
+def finished_requests(url: str) -> float:
+    """Requests the app's engine has finished, for whatever reason (its /metrics)."""
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as probe:
+        return sum(v for k, v in metrics(probe).items() if k.startswith("k3ray:request_success_total"))
 
 
 ABORTED = 'k3ray:request_success_total{finished_reason="abort"}'
@@ -371,23 +377,23 @@ def test_a_dead_engine_process_fails_health_then_serve_replaces_the_replica(serv
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
 
 
-def first_token_s(url: str, prompt: str) -> tuple[int, float]:
-    """(status, seconds to the first streamed text) of a short completion."""
-    t0 = time.monotonic()
+def first_token(url: str, prompt: str) -> tuple[int, bool]:
+    """(status, whether streamed text came) of a short completion, read up to its first text."""
     with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=120, json={
             "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}) as resp:
         if resp.status_code != 200:
-            return resp.status_code, time.monotonic() - t0
+            return resp.status_code, False
         for line in resp.iter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"] is not None:
-                return 200, time.monotonic() - t0
-    return 200, time.monotonic() - t0
+                return 200, True
+    return 200, False
 
 
 def test_short_requests_run_beside_a_200k_token_prompt(long_server):
     """A 200K-token prompt takes minutes to prefill here. Short requests sent meanwhile are admitted
-    and get their first token within seconds (before: every one got 429 for the long prompt's
-    tokens); a second long prompt is the only one told to wait, by a 429 naming the long lane."""
+    and get their first token while it still prefills (before: every one got 429 for the long
+    prompt's tokens); a second long prompt is the only one told to wait, by a 429 naming the long
+    lane."""
     import socket
     from urllib.parse import urlsplit
 
@@ -402,21 +408,21 @@ def test_short_requests_run_beside_a_200k_token_prompt(long_server):
         while long_prefill_rate(long_server) == 0:
             assert time.monotonic() < deadline, "the long prompt never started prefilling"
             time.sleep(0.5)
-        ttfts: list[tuple[int, float]] = []
-        shorts = [threading.Thread(target=lambda i=i: ttfts.append(first_token_s(long_server, f"Short {i}: hello")))
+        firsts: list[tuple[int, bool]] = []
+        shorts = [threading.Thread(target=lambda i=i: firsts.append(first_token(long_server, f"Short {i}: hello")))
                   for i in range(4)]
         for t in shorts:
             t.start()
         for t in shorts:
-            t.join(timeout=60)
-        assert len(ttfts) == 4 and all(status == 200 and s < 10 for status, s in ttfts), ttfts
+            t.join(timeout=150)
+        assert firsts == [(200, True)] * 4, firsts
         second = httpx.post(f"{long_server}/v1/completions", headers=AUTH, timeout=60,
                             json={"model": MODEL, "prompt": "y" * 50_000, "max_tokens": 4})
         error = error_of(second, 429)
         assert "long prompts (over 16384 tokens) are ahead in their own lane" in error["message"], error
         assert int(second.headers["retry-after"]) > 2
         client.setblocking(False)
-        with pytest.raises(BlockingIOError):  # no answer yet: it is still prefilling
+        with pytest.raises(BlockingIOError):  # no answer yet: it still prefills, so the shorts came beside it
             client.recv(1)
     finally:
         client.close()  # the long request is aborted with its connection
