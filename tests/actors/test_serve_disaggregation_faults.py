@@ -2,8 +2,9 @@
 replica, each model in an engine process of its replica), through HTTP as a client sees them:
 - a prefill replica (its actor, or its engine process) killed while it prefills a long prompt: the
   request is retried on the other prefill replica and answers as it would have;
-- both prefill replicas killed, one per attempt: a 503 with Retry-After within seconds; a request
-  sent while no prefill replica is left waits for the ones Serve starts and is answered;
+- both prefill replicas killed, one per attempt: a 503 with Retry-After before Serve has started a
+  new one; a request sent while no prefill replica is left waits for the ones Serve starts and is
+  answered;
 - the prefix the decode replica said it held evicted before the handoff arrives (a stream and an
   n = 2 request, which runs whole on the decode replica, fill its cache meanwhile): the retry sends
   the whole prompt;
@@ -67,12 +68,11 @@ def pd(app):
     return app
 
 
-def wait_until(predicate, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() - start < timeout_s, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
-    return time.monotonic() - start
 
 
 def completion(url: str, prompt: list[int], max_tokens: int, timeout: float = 300, **fields) -> httpx.Response:
@@ -226,7 +226,8 @@ def test_prefill_replicas_lost_on_every_attempt_end_in_a_503_with_retry_after(pd
     engines[second].kill()
     lost_at = time.monotonic()
     r = request.outcome()
-    assert time.monotonic() - lost_at < 30
+    new_engines = [e for e in map(engine_of, replicas("K3Prefill")) if e is not None and e.pid not in (first, second)]
+    assert not new_engines, "the request waited for a new prefill replica instead of answering 503"
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
     assert r.json()["error"]["type"] == "service_unavailable" and "2 attempts" in r.json()["error"]["message"]
     wait_until(lambda: decode_holds_nothing(pd), 30, "the decode replica idle and empty")
@@ -280,9 +281,8 @@ def test_a_decode_replica_lost_while_it_streams_ends_the_stream_and_is_replaced(
     wait_busy(engines)
     old.kill()
     lost_at = time.monotonic()
-    streaming.outcome(60)
-    prefilling.outcome(60)
-    assert time.monotonic() - lost_at < 60
+    streaming.outcome()  # each ends (not a hang): 300 s is a deadline, not a speed
+    prefilling.outcome()
     data = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
     assert "data: [DONE]" not in events or "error" in data[-1], events[-3:]  # never a clean end
     assert isinstance(streaming.error, httpx.HTTPError) or "error" in data[-1], (streaming.error, events[-3:])
@@ -290,9 +290,9 @@ def test_a_decode_replica_lost_while_it_streams_ends_the_stream_and_is_replaced(
     print(f"decode replica lost: the stream ended with {streaming.error!r} / {events[-1:]}, the request waiting on "
           f"its prefill with {prefilling.error or prefilling.result.status_code!r}")
     wait_until(prefill_holds_nothing, 60, "the prefill replicas idle and empty")
-    took = wait_until(lambda: [p.pid for p in replicas("K3Server")] not in ([], [old.pid]) and completes(pd),
-                      RECOVERY_S, "a new decode replica serving")
-    print(f"decode replica lost: a new one serves {time.monotonic() - lost_at:.0f} s later ({took:.0f} s waited)")
+    wait_until(lambda: [p.pid for p in replicas("K3Server")] not in ([], [old.pid]) and completes(pd),
+               RECOVERY_S, "a new decode replica serving")
+    print(f"decode replica lost: a new one serves {time.monotonic() - lost_at:.0f} s later")
     assert text(completion(pd, prompt, 16)) == reference
     assert_nothing_held(pd)
 
