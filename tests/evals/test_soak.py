@@ -1,5 +1,5 @@
 """`k3ray bench soak` end to end: a private Serve app on loopback, a short mixed soak, and the keys
-BENCHMARKS.md names (every request accounted for, memory sampled over the run)."""
+docs/benchmarks.md names (every request accounted for, memory sampled over the run)."""
 
 import json
 import subprocess
