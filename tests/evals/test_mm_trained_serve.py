@@ -21,6 +21,9 @@ from k3ray.evals.tasks import Cell, get_task, images, multimodal
 pytestmark = pytest.mark.timeout(900)
 ENGINE = {"max_model_len": 2048, "cache_memory_mb": 64}
 PIPELINE_GRID = {"image_niah": {2: 0.9, 8: 0.9}, "video_niah": {16: 0.9}, "video_niah_gif": {8: 0.9, 16: 0.9}}
+# the plain app's default share: the task lengths PIPELINE_GRID leaves out, so the two tests together serve every
+# (task, length) of MM_FLOORS (each cell equal to the in-process grid, which holds every floor); `-m slow`: all
+SERVED_GRID = {"image_niah": {1: 0.9, 4: 0.9}, "video_niah": {8: 0.9}}
 HITS = "k3ray:prefix_cache_hits"
 # a long system message: whole prefix-cache blocks of text before the first image
 SYSTEM = "You read codes off cards in pictures and videos. " * 6
@@ -54,11 +57,15 @@ def _card_chat(seed: int, count: int) -> tuple[list[dict], str]:
     return [{"role": "system", "content": SYSTEM}, *multimodal.image_messages(pictures)], code
 
 
-def test_served_grid_is_the_engine_s(serve_app, port, vl_checkpoint, plain_mm, mm_grid, mm_floors, tmp_path):
+@pytest.mark.parametrize("every", [pytest.param(False, id="share"),
+                                   pytest.param(True, id="all", marks=pytest.mark.slow)])
+def test_served_grid_is_the_engine_s(serve_app, port, vl_checkpoint, plain_mm, mm_grid, mm_floors, every, tmp_path):
     served = _serve(serve_app, port, vl_checkpoint, {})
-    grid = mm_grid(served, tmp_path)
-    assert grid.predictions == plain_mm.predictions
-    assert all(grid.scores[(task, n)] >= floor for task, floors in mm_floors.items() for n, floor in floors.items())
+    floors = mm_floors if every else SERVED_GRID
+    grid = mm_grid(served, tmp_path, floors)
+    assert grid.predictions == {k: v for k, v in plain_mm.predictions.items() if k in grid.predictions}
+    assert len(grid.predictions) == sum(len(n) for n in floors.values()) * 3 * 4
+    assert all(grid.scores[(task, n)] >= floor for task, by_length in floors.items() for n, floor in by_length.items())
 
 
 def test_image_files_read_as_their_data_urls(serve_app, port, vl_checkpoint, vl_engine, tmp_path):
