@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--seed", type=int, default=0, help="seed of the generated items")
         p.add_argument("--out", metavar="DIR", required=True, help="output folder")
         p.add_argument("--concurrency", type=int, default=4, help="requests in flight (one per cell)")
-        p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished cells")
+        p.add_argument("--resume", action="store_true", help="continue a run in --out, skipping items already scored")
         p.add_argument("--timeout", type=float, default=3600.0, help="seconds per HTTP request")
         p.add_argument("--haystack", help="JSONL (text field) or .txt file replacing the corpus (default: the bundled "
                        "public-domain one)")

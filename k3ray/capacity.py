@@ -129,7 +129,8 @@ def build_plan(req: PlanRequest, pipeline: int, expert_parallel: int) -> Plan:
     for s, (a, b) in enumerate(split_range(c.num_layers, pipeline)):
         kinds = c.layer_types[a:b]
         n_kda, n_mla = kinds.count("kda"), kinds.count("mla")
-        weights = sum(dense[a:b]) + (embed if a == 0 else 0) + (embed + 3 * 2 * c.hidden_size if b == c.num_layers else 0)  # lm_head, norm, output AttnRes
+        last = embed + 3 * 2 * c.hidden_size if b == c.num_layers else 0  # lm_head, norm, output AttnRes
+        weights = sum(dense[a:b]) + (embed if a == 0 else 0) + last
         kda_state = req.concurrency * n_kda * (H * K * K * 4 + 3 * H * K * (W - 1) * 2)
         mla = req.concurrency * n_mla * req.context_len * c.mla_latent_dim * 2
         reserve = int(req.activation_reserve_gib * GIB)

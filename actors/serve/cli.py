@@ -118,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
         failure = e
         raise
     finally:
-        if not _stop_everything(owns_ray, mark, reaper):
+        if not _stop_everything(owns_ray, mark, reaper, launch.stop_grace_s):
             _exit_now(1, failure)
     _exit_now(0)
 
@@ -144,14 +144,10 @@ def _joined(launch):
     return launch
 
 
-# Serve's graceful stop: requests in flight get this long to finish (an idle server stops in a few
-# seconds); then everything this command started is stopped outright
-STOP_GRACE_S = 8.0
-
-
-def _stop_everything(owns_ray: bool, mark: str, reaper) -> bool:
+def _stop_everything(owns_ray: bool, mark: str, reaper, grace_s: float) -> bool:
     """Stop Serve (the whole local instance, or only this app on a joined cluster) and Ray, then
-    every process of this command still running; True if Serve and Ray stopped in time. The
+    every process of this command still running; True if Serve and Ray stopped within grace_s
+    (--stop-grace-s: requests in flight get that long to finish). The
     reaper is disarmed only then: otherwise it removes the runtime folder and, on a joined
     cluster, deletes the app again once this process has exited."""
     # lazy: Ray loads after the preflight, never for --help or --print-config
@@ -162,18 +158,18 @@ def _stop_everything(owns_ray: bool, mark: str, reaper) -> bool:
     recorded.pop(reaper.process.pid, None)
     stopping = _in_background(serve_launch.stop, owns_ray)
     try:
-        stopping.result(timeout=STOP_GRACE_S)
+        stopping.result(timeout=grace_s)
         clean = True
     except TimeoutError:
-        print(f"k3ray serve: Serve did not stop within {STOP_GRACE_S:g} s; stopping its processes",
+        print(f"k3ray serve: Serve did not stop within {grace_s:g} s (--stop-grace-s); stopping its processes",
               file=sys.stderr, flush=True)
         clean = False
     except Exception as e:  # noqa: BLE001 - Ray and Serve raise many kinds; the processes are stopped below
         print(f"k3ray serve: stopping Serve failed ({type(e).__name__}: {e}); stopping its processes",
               file=sys.stderr, flush=True)
         clean = False
-    grace_s = serve_reaper.EXIT_GRACE_S if clean else 0
-    stopped = serve_reaper.stop_processes(serve_reaper.leftovers(mark, recorded), grace_s)
+    stopped = serve_reaper.stop_processes(serve_reaper.leftovers(mark, recorded),
+                                          serve_reaper.EXIT_GRACE_S if clean else 0)
     if stopped:
         print(f"k3ray serve: stopped {len(stopped)} process(es) that outlived Ray's shutdown", file=sys.stderr,
               flush=True)

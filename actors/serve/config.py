@@ -288,6 +288,9 @@ class LaunchSettings(Settings):
         "node only (HeadOnly); null = EveryNode, or HeadOnly on a cluster whose nodes share one address (one "
         "machine: they cannot all bind the port)")
     num_cpus: float | None = Field(None, gt=0, description="CPUs of the local Ray instance; null = all")
+    stop_grace_s: float = Field(8.0, gt=0, description="how long Serve's graceful stop may take on Ctrl-C / "
+                                "SIGTERM (requests in flight finish; an idle server stops in a few seconds) before "
+                                "k3ray serve stops its processes outright and exits 1")
 
     @model_validator(mode="after")
     def _check(self) -> LaunchSettings:

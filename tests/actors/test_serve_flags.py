@@ -29,7 +29,8 @@ from k3ray.actors.serve.yaml_config import serve_config_yaml
 
 # the flags `k3ray serve` had before they were generated (README, tests and scripts use them)
 FLAGS = {
-    "--host", "--port", "--address", "--ingress", "--proxy-location", "--num-cpus", "--api-key", "--max-body-bytes",
+    "--host", "--port", "--address", "--ingress", "--proxy-location", "--num-cpus", "--stop-grace-s", "--api-key",
+    "--max-body-bytes",
     "--served-model-name", "--model", "--dtype", "--tokenizer", "--pipeline", "--expert-parallel", "--replica-cpus",
     "--stage-cpus", "--shard-cpus", "--router-cpus", "--stage-gpus", "--shard-gpus", "--replica-gpus",
     "--vision-cpus", "--vision-gpus", "--allow-remote-media-urls", "--max-media-bytes", "--max-media-per-prompt",

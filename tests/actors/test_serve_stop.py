@@ -39,7 +39,8 @@ def free_port() -> int:
 
 
 def k3ray_serve(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "k3ray.cli", "serve", *flags]
+    # a loaded machine's Serve may take more than the default 8 s to stop gracefully: that exits 1, no bug
+    return [sys.executable, "-m", "k3ray.cli", "serve", "--stop-grace-s", "120", *flags]
 
 
 # ---------------------------------------------------------------------------------- failing fast
