@@ -16,7 +16,6 @@ from dataclasses import replace
 import torch
 
 from k3ray.engine.config import EngineConfig, MultiModalConfig
-from k3ray.engine.config import MultiModalConfig
 from k3ray.engine.core.cache_manager import CacheManager, cache_bytes_for, size_cache
 from k3ray.engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from k3ray.engine.core.sequence import Request, Sequence
